@@ -1,0 +1,113 @@
+"""Metrics sinks: a JSONL file always, Weights & Biases when enabled, a progress bar.
+
+Only the writer rank (global rank 0) constructs a ``MetricsLogger``; other
+ranks use ``NullLogger``. wandb defaults to offline mode, so nothing needs an
+account or a network; ``wandb sync <dir>`` uploads an offline run later.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Optional
+
+from megatier.config import LoggingConfig
+
+
+def _rotate(path: str) -> None:
+    """Keep an earlier run's metrics as metrics.<k>.jsonl instead of overwriting them."""
+    if not os.path.exists(path):
+        return
+    stem, ext = os.path.splitext(path)
+    k = 1
+    while os.path.exists(f"{stem}.{k}{ext}"):
+        k += 1
+    os.replace(path, f"{stem}.{k}{ext}")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no inf/nan; keep the record parseable
+    return value
+
+
+class MetricsLogger:
+    """Writes one JSON object per line to ``<run_dir>/metrics.jsonl`` and mirrors it to wandb."""
+
+    def __init__(self, cfg: LoggingConfig, run_dir: str, run_config: dict, *, total_steps: int, resume: bool = False):
+        self.run_dir = run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        self.path = os.path.join(run_dir, "metrics.jsonl")
+        if not resume:
+            _rotate(self.path)
+        self._file = open(self.path, "a", buffering=1)
+        self._wandb = self._init_wandb(cfg, run_dir, run_config)
+        self._bar = self._init_progress(cfg.progress, total_steps)
+
+    @staticmethod
+    def _init_wandb(cfg: LoggingConfig, run_dir: str, run_config: dict):
+        if cfg.wandb.mode == "disabled":
+            return None
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        return wandb.init(mode=cfg.wandb.mode, project=cfg.wandb.project, name=cfg.wandb.name or cfg.name,
+                          tags=list(cfg.wandb.tags), dir=run_dir, config=run_config, reinit="finish_previous")
+
+    @staticmethod
+    def _init_progress(enabled: bool, total: int):
+        if not enabled:
+            return None
+        from tqdm import tqdm
+
+        return tqdm(total=total, unit="step", dynamic_ncols=True, mininterval=1.0)
+
+    @property
+    def wandb_dir(self) -> Optional[str]:
+        return self._wandb.dir if self._wandb is not None else None
+
+    def log(self, record: dict) -> None:
+        record = {k: _jsonable(v) for k, v in record.items()}
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
+            self._wandb.log(numeric, step=record.get("step"))
+
+    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.update(step - self._bar.n)  # redraws at most once per mininterval
+
+    def summary(self, record: dict) -> None:
+        """The run's last record (carries state_digest); also stored as the wandb run summary."""
+        self.log(record)
+        if self._wandb is not None:
+            for k, v in record.items():
+                self._wandb.summary[k] = v
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        self._file.close()
+
+
+class NullLogger:
+    """What non-writer ranks hold: every call is a no-op."""
+
+    run_dir = None
+    path = None
+    wandb_dir = None
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        pass
+
+    def summary(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,1 @@
+"""Optimizer: flat buffers, ZeRO-1 AdamW, LR schedule, loss scaling."""

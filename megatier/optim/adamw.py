@@ -1,0 +1,109 @@
+"""DistributedAdamW: ZeRO-1 AdamW over flat fp32 shards.
+
+Each dp rank owns one contiguous range of its model stage's flat parameter
+space (``FlatLayout.shard_range``) and keeps, for that range only, fp32 master
+weights and both Adam moments. A step reduce-scatters the gradients, unscales
+and clips them with the true global norm, applies ``megatier.ops.adamw_step``
+to the shard and all-gathers the parameters.
+
+What the checkpoint system reads (valid after ``step`` returns):
+  master, exp_avg, exp_avg_sq   flat fp32 shard state, shape (shard_size,)
+  last_grad                     the exact gradient shard the step consumed
+                                (reduced over dp, unscaled, clipped)
+  last_lr, last_skipped         scalars of that step
+  adam_steps                    applied (non-skipped) steps: the bias-correction count
+  shard_segments                global names, offsets and shapes in the shard
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatier import ops
+from megatier.config import OptimConfig
+from megatier.optim.flat import FlatLayout, ranges_tensor
+from megatier.optim.loss_scaler import DynamicLossScaler
+from megatier.optim.schedule import WarmupCosine
+from megatier.parallel.grad_buffer import GradBuffer
+
+
+@dataclass(frozen=True)
+class StepStats:
+    lr: float
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+class DistributedAdamW:
+    def __init__(self, cfg: OptimConfig, layout: FlatLayout, param_flat: torch.Tensor, grads: GradBuffer, *,
+                 dp_rank: int, dp_group: dist.ProcessGroup, norm_group: dist.ProcessGroup,
+                 schedule: WarmupCosine, scaler: Optional[DynamicLossScaler] = None):
+        self.cfg = cfg
+        self.layout = layout
+        self.param_flat = param_flat
+        self.grads = grads
+        self.dp_rank = dp_rank
+        self.dp_group = dp_group
+        self.norm_group = norm_group
+        self.schedule = schedule
+        self.scaler = scaler
+        self.shard_segments = layout.shard_segments(dp_rank)
+        lo, hi = layout.shard_range(dp_rank)
+        self._param_shard = param_flat[lo:hi]
+        self.master = self._param_shard.detach().float().clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.decay_ranges = ranges_tensor(self.shard_segments, "decay")
+        self._norm_ranges = ranges_tensor(self.shard_segments, "in_norm").tolist()
+        self.adam_steps = 0
+        self.last_grad = torch.zeros_like(self.master)
+        self.last_lr = 0.0
+        self.last_skipped = False
+
+    def _global_sumsq(self, grad: torch.Tensor) -> float:
+        # Squares of every gradient element counted exactly once over all ranks.
+        local = torch.zeros((), dtype=torch.float64, device=grad.device)
+        for start, end in self._norm_ranges:
+            local += torch.linalg.vector_norm(grad[start:end], dtype=torch.float64) ** 2
+        dist.all_reduce(local, group=self.norm_group)
+        return float(local)
+
+    def step(self, iteration: int) -> StepStats:
+        """Apply optimizer step for training iteration ``iteration`` (1-based; it picks the lr)."""
+        grad = self.grads.reduce_scatter_mean(self.dp_rank)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
+        if scale != 1.0:
+            grad.div_(scale)
+        sumsq = self._global_sumsq(grad)
+        overflow = not math.isfinite(sumsq)
+        if self.scaler is not None:
+            self.scaler.update(overflow)
+        norm = math.sqrt(sumsq) if not overflow else float("inf")
+        lr = self.schedule(iteration)
+        self.last_lr, self.last_skipped = lr, overflow
+        if overflow:
+            # fp16 overflow (or a non-finite loss): nothing is applied; the Adam count does not advance.
+            self.last_grad = grad
+            return StepStats(lr, norm, True, scale)
+        if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:
+            grad.mul_(self.cfg.clip_grad / (norm + 1e-6))
+        self.last_grad = grad
+        self.adam_steps += 1
+        ops.adamw_step(self.master, self.exp_avg, self.exp_avg_sq, grad, self.adam_steps, lr,
+                       self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay, self.decay_ranges)
+        self.publish_params()
+        return StepStats(lr, norm, False, scale)
+
+    def publish_params(self) -> None:
+        """Copy the master shard into the model's parameters on every dp rank."""
+        self._param_shard.copy_(self.master)
+        if self.layout.dp > 1:
+            dist.all_gather_into_tensor(self.param_flat, self._param_shard.clone(), group=self.dp_group)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

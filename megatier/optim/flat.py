@@ -1,0 +1,116 @@
+"""Flat contiguous parameter storage and its segment table.
+
+All parameters of a model stage live in one flat tensor; each ``nn.Parameter``
+is a view into it. The segment table says where each parameter lives. The
+ZeRO-1 optimizer cuts the flat space into dp equal shards, and the checkpoint
+system saves and replays exactly those shards, so this table is the contract
+between them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter's place in the flat buffer.
+
+    ``decay``: receives weight decay (matrices and embeddings, not biases/norms).
+    ``in_norm``: counted in the global grad norm on this rank; False for copies
+    that another rank already counts (tp-replicated params on tp ranks > 0, the
+    last stage's copy of the tied embedding).
+    """
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    decay: bool
+    in_norm: bool
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.numel
+
+
+@dataclass(frozen=True)
+class ShardSegment:
+    """The part of a parameter that falls in one dp shard.
+
+    ``shard_offset`` is relative to the shard start; ``param_offset`` is the
+    element offset inside the flattened parameter where this part begins.
+    """
+
+    name: str
+    shard_offset: int
+    param_offset: int
+    numel: int
+    shape: tuple[int, ...]
+    decay: bool
+    in_norm: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class FlatLayout:
+    """Segment table of a model stage, padded so the flat size divides into dp shards."""
+
+    def __init__(self, segments: list[Segment], dp: int):
+        self.segments = segments
+        used = segments[-1].end if segments else 0
+        self.shard_size = (used + dp - 1) // dp
+        self.numel = self.shard_size * dp  # padding at the end is never read by a parameter
+        self.dp = dp
+
+    @classmethod
+    def from_module(cls, module: nn.Module, dp: int, *, tp_rank: int, shared_copies: set[str]) -> "FlatLayout":
+        segments, offset = [], 0
+        for name, p in module.named_parameters():
+            replicated = p.tp_partition_dim is None
+            in_norm = not (replicated and tp_rank > 0) and name not in shared_copies
+            segments.append(Segment(name, offset, p.numel(), tuple(p.shape), decay=p.dim() >= 2, in_norm=in_norm))
+            offset += p.numel()
+        return cls(segments, dp)
+
+    def shard_range(self, dp_rank: int) -> tuple[int, int]:
+        start = dp_rank * self.shard_size
+        return start, start + self.shard_size
+
+    def shard_segments(self, dp_rank: int) -> list[ShardSegment]:
+        """Segments intersecting shard ``dp_rank``, clipped to it; together they tile its used part."""
+        lo, hi = self.shard_range(dp_rank)
+        out = []
+        for s in self.segments:
+            start, end = max(s.offset, lo), min(s.end, hi)
+            if start < end:
+                out.append(ShardSegment(s.name, start - lo, start - s.offset, end - start, s.shape, s.decay, s.in_norm))
+        return out
+
+
+def flatten_parameters(module: nn.Module, layout: FlatLayout, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Move every parameter into one flat buffer of ``dtype`` and make each a view of it."""
+    flat = torch.zeros(layout.numel, dtype=dtype, device=device)
+    params = dict(module.named_parameters())
+    for s in layout.segments:
+        p = params[s.name]
+        view = flat[s.offset:s.end].view(s.shape)
+        view.copy_(p.detach())
+        p.data = view
+    return flat
+
+
+def ranges_tensor(segments: list[ShardSegment], attr: str) -> torch.Tensor:
+    """(k, 2) int64 [start, end) shard ranges of the segments whose flag ``attr`` is set, merged when adjacent."""
+    ranges: list[list[int]] = []
+    for s in segments:
+        if not getattr(s, attr):
+            continue
+        if ranges and ranges[-1][1] == s.shard_offset:
+            ranges[-1][1] += s.numel
+        else:
+            ranges.append([s.shard_offset, s.shard_offset + s.numel])
+    return torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2)

@@ -1,0 +1,64 @@
+"""Contiguous fp32 gradient buffer and its data-parallel reduction.
+
+Every parameter's gradient is accumulated (across micro-batches) into an fp32
+view of one flat buffer laid out exactly like the parameter buffer. After the
+last micro-batch the buffer is averaged over dp with one reduce-scatter, which
+leaves each dp rank the gradient of the shard its ZeRO-1 optimizer owns.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatier.optim.flat import FlatLayout
+
+
+class GradBuffer:
+    """fp32 main gradients; ``param.grad`` is folded in and released after each backward."""
+
+    def __init__(self, module: nn.Module, layout: FlatLayout, device: torch.device, *, dp_group: dist.ProcessGroup):
+        self.layout = layout
+        self.dp_group = dp_group
+        self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self._hooks = []
+        params = dict(module.named_parameters())
+        for s in layout.segments:
+            view = self.flat[s.offset:s.end].view(s.shape)
+            self._hooks.append(params[s.name].register_post_accumulate_grad_hook(self._make_hook(view)))
+
+    @staticmethod
+    def _make_hook(main_grad: torch.Tensor):
+        def fold(param: torch.Tensor) -> None:
+            main_grad.add_(param.grad)  # upcasts bf16/fp16 grads into fp32
+            param.grad = None
+
+        return fold
+
+    def zero(self) -> None:
+        self.flat.zero_()
+
+    def view_of(self, segment_name: str) -> torch.Tensor:
+        s = next(seg for seg in self.layout.segments if seg.name == segment_name)
+        return self.flat[s.offset:s.end]
+
+    def all_reduce_segments(self, names: list[str], group: dist.ProcessGroup) -> None:
+        """Sum the gradients of the named parameters over ``group`` (tied embedding copies)."""
+        for name in names:
+            dist.all_reduce(self.view_of(name), group=group)
+
+    def reduce_scatter_mean(self, dp_rank: int) -> torch.Tensor:
+        """Average over dp and return this rank's shard (a fresh tensor the optimizer may modify)."""
+        dp = self.layout.dp
+        lo, hi = self.layout.shard_range(dp_rank)
+        if dp == 1:
+            return self.flat[lo:hi].clone()
+        shard = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.flat.device)
+        self.flat.div_(dp)
+        dist.reduce_scatter_tensor(shard, self.flat, group=self.dp_group)
+        return shard
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,108 @@
+"""Tensor-parallel layers: column/row-parallel linears and a vocab-parallel embedding.
+
+Every parameter records how it is cut across tensor-parallel ranks
+(``tp_partition_dim`` and ``tp_partition_stride``; dim None means replicated),
+so the model can initialise the full tensor from a per-name seed and keep only
+this rank's slice. Initial weights therefore do not depend on the layout.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from megatier.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
+
+
+def mark_partition(param: nn.Parameter, dim: Optional[int], stride: int = 1) -> nn.Parameter:
+    param.tp_partition_dim = dim
+    param.tp_partition_stride = stride
+    return param
+
+
+def shard_of_full(full: torch.Tensor, dim: Optional[int], stride: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """This rank's slice of a full tensor cut along ``dim``.
+
+    With stride s the dim is laid out as (s, tp, chunk): each of the s blocks
+    (e.g. q, k, v of a fused projection) is cut separately, and rank r keeps
+    chunk r of every block.
+    """
+    if dim is None or tp == 1:
+        return full
+    size = full.shape[dim]
+    if size % (stride * tp) != 0:
+        raise ValueError(f"dim {dim} of size {size} cannot be split into stride {stride} x tp {tp}")
+    shape = list(full.shape)
+    blocks = full.reshape(shape[:dim] + [stride, tp, size // (stride * tp)] + shape[dim + 1:])
+    mine = blocks.select(dim + 1, tp_rank)
+    return mine.reshape(shape[:dim] + [size // tp] + shape[dim + 1:]).contiguous()
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A cut by output rows: (out/tp, in) per rank.
+
+    Input (..., in) replicated across tp; output (..., out/tp) unless ``gather_output``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, bias: bool = True,
+                 gather_output: bool = False, stride: int = 1):
+        super().__init__()
+        self.group = group
+        tp = dist.get_world_size(group)
+        if out_features % (tp * stride) != 0:
+            raise ValueError(f"output size {out_features} is not divisible by tp={tp} x stride={stride}")
+        self.gather_output = gather_output
+        self.weight = mark_partition(nn.Parameter(torch.empty(out_features // tp, in_features)), 0, stride)
+        self.bias = mark_partition(nn.Parameter(torch.empty(out_features // tp)), 0, stride) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A cut by input columns: (out, in/tp) per rank.
+
+    Input (..., in/tp) already split across tp; output (..., out) all-reduced,
+    then the replicated bias is added once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, bias: bool = True):
+        super().__init__()
+        self.group = group
+        tp = dist.get_world_size(group)
+        if in_features % tp != 0:
+            raise ValueError(f"input size {in_features} is not divisible by tp={tp}")
+        self.weight = mark_partition(nn.Parameter(torch.empty(out_features, in_features // tp)), 1)
+        self.bias = mark_partition(nn.Parameter(torch.empty(out_features)), None) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_region(F.linear(x, self.weight), self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are cut across tp: rank r owns [r*V/tp, (r+1)*V/tp)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, group: dist.ProcessGroup):
+        super().__init__()
+        self.group = group
+        tp, tp_rank = dist.get_world_size(group), dist.get_rank(group)
+        if vocab_size % tp != 0:
+            raise ValueError(f"padded vocabulary {vocab_size} is not divisible by tp={tp}")
+        self.per_rank = vocab_size // tp
+        self.vocab_start = tp_rank * self.per_rank
+        self.weight = mark_partition(nn.Parameter(torch.empty(self.per_rank, hidden_size)), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if dist.get_world_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(out, self.group)

@@ -1,0 +1,164 @@
+"""ParallelState: the 3D layout of this job, built once and passed explicitly.
+
+Rank order is tp fastest, then dp, then pp::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so a tensor-parallel group is a run of consecutive ranks and stays inside a
+node whenever tp divides the processes per node.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """Initialise torch.distributed from torchrun's environment, or as a world of one.
+
+    Without ``RANK``/``WORLD_SIZE`` in the environment (plain ``python
+    pretrain_gpt.py``) a single-process group on an in-memory store is created,
+    so every code path still receives real process groups.
+    """
+    if dist.is_initialized():
+        return
+    timeout = timedelta(seconds=timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def _node_identity() -> tuple[str, int]:
+    """This process's node name and local rank (MEGATIER_NODE_NAME overrides for simulated nodes)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    name = os.environ.get("MEGATIER_NODE_NAME")
+    if not name:
+        group_rank = os.environ.get("GROUP_RANK")
+        name = f"node{group_rank}" if group_rank is not None else socket.gethostname()
+    return name, local_rank
+
+
+@dataclass
+class ParallelState:
+    """Degrees, this rank's coordinates, its node, the ring peers and the process groups."""
+
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    node_name: str
+    node_index: int
+    num_nodes: int
+    local_rank: int
+    # Ring peer (DESIGN.md 4): same local rank on node (n + 1) % nodes holds our replica;
+    # we hold the replica of the same local rank on node (n - 1) % nodes.
+    replica_holder_rank: Optional[int]
+    replica_owner_rank: Optional[int]
+    tp_group: dist.ProcessGroup = field(repr=False)
+    pp_group: dist.ProcessGroup = field(repr=False)
+    dp_group: dist.ProcessGroup = field(repr=False)
+    # First and last pipeline stage of this (dp, tp) column; None when pp == 1 or off those stages.
+    embedding_group: Optional[dist.ProcessGroup] = field(repr=False)
+    world_group: dist.ProcessGroup = field(repr=False)
+    # Gloo group over all ranks reserved for checkpoint traffic, so it never queues behind training collectives.
+    checkpoint_group: dist.ProcessGroup = field(repr=False)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def global_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
+        return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
+
+    def pp_neighbour(self, offset: int) -> int:
+        """Global rank of the stage ``offset`` away in this rank's pipeline."""
+        return self.global_rank(self.tp_rank, self.dp_rank, self.pp_rank + offset)
+
+    def describe(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size} tp={self.tp_rank}/{self.tp} dp={self.dp_rank}/{self.dp} "
+            f"pp={self.pp_rank}/{self.pp} node={self.node_name}({self.node_index}/{self.num_nodes}) "
+            f"local_rank={self.local_rank} replica_holder={self.replica_holder_rank} "
+            f"replica_owner={self.replica_owner_rank}"
+        )
+
+
+def _ring_peers(rank: int, identities: list[tuple[str, int]]) -> tuple[list[str], Optional[int], Optional[int]]:
+    """Node order (first appearance by rank) and this rank's replica holder/owner."""
+    nodes: list[str] = []
+    for name, _ in identities:
+        if name not in nodes:
+            nodes.append(name)
+    by_slot = {(name, local): r for r, (name, local) in enumerate(identities)}
+    name, local = identities[rank]
+    if len(nodes) < 2:
+        return nodes, None, None
+    n = nodes.index(name)
+    holder = by_slot.get((nodes[(n + 1) % len(nodes)], local))
+    owner = by_slot.get((nodes[(n - 1) % len(nodes)], local))
+    return nodes, holder, owner
+
+
+def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.device) -> ParallelState:
+    """Create every process group of the layout. All ranks must call this in the same order."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_parallel_state needs torch.distributed initialised (see init_process_group)")
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    if world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by parallel.tp={tp} x parallel.pp={pp}; "
+            f"launch a multiple of {tp * pp} processes"
+        )
+    dp = world_size // (tp * pp)
+    timeout = timedelta(seconds=timeout_s)
+    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+    def coords(t: int, d: int, p: int) -> int:
+        return p * (dp * tp) + d * tp + t
+
+    def make_groups(rank_lists: list[list[int]]) -> Optional[dist.ProcessGroup]:
+        # new_group is collective over the world: every rank creates every group, keeps its own.
+        mine = None
+        for ranks in rank_lists:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine = group
+        return mine
+
+    tp_group = make_groups([[coords(t, d, p) for t in range(tp)] for p in range(pp) for d in range(dp)])
+    dp_group = make_groups([[coords(t, d, p) for d in range(dp)] for p in range(pp) for t in range(tp)])
+    pp_group = make_groups([[coords(t, d, p) for p in range(pp)] for d in range(dp) for t in range(tp)])
+    embedding_group = None
+    if pp > 1:
+        embedding_group = make_groups([[coords(t, d, 0), coords(t, d, pp - 1)] for d in range(dp) for t in range(tp)])
+    world_group = dist.new_group(list(range(world_size)), timeout=timeout)
+    checkpoint_group = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
+
+    identities: list = [None] * world_size
+    dist.all_gather_object(identities, _node_identity(), group=checkpoint_group)
+    nodes, holder, owner = _ring_peers(rank, identities)
+    node_name, local_rank = identities[rank]
+    return ParallelState(
+        rank=rank, world_size=world_size, tp=tp, pp=pp, dp=dp,
+        tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
+        node_name=node_name, node_index=nodes.index(node_name), num_nodes=len(nodes), local_rank=local_rank,
+        replica_holder_rank=holder, replica_owner_rank=owner,
+        tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, embedding_group=embedding_group,
+        world_group=world_group, checkpoint_group=checkpoint_group, device=device,
+    )

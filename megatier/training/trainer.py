@@ -1,0 +1,212 @@
+"""The Trainer: builds every component from its own sub-config and runs the loop.
+
+    trainer = Trainer(cfg)   # process groups, data, model, optimizer, metrics
+    trainer.train()          # steps 1..train.iters, periodic validation
+    trainer.close()          # final summary record with state_digest, teardown
+
+Step s (1-based) reads global batch s, runs forward/backward over its
+micro-batches and applies optimizer step s; afterwards the state is "version s".
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megatier.config import Config, validate
+from megatier.data.corpus import ensure_default_corpus
+from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
+from megatier.data.indexed import IndexedDataset
+from megatier.model.gpt import GPTStage, StageSpec, init_weights, padded_vocab_size, stage_layers
+from megatier.observe.digest import combined_digest, shard_digest
+from megatier.observe.metrics import MetricsLogger, NullLogger
+from megatier.optim.adamw import DistributedAdamW
+from megatier.optim.flat import FlatLayout, flatten_parameters
+from megatier.optim.loss_scaler import DynamicLossScaler
+from megatier.optim.schedule import WarmupCosine
+from megatier.parallel.grad_buffer import GradBuffer
+from megatier.parallel.schedules import forward_backward_no_pipeline
+from megatier.seeding import derive_seed
+from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device=cuda but CUDA is not available; use train.device=cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        validate(cfg, world_size)
+        self.device = _pick_device(cfg.train.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        init_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.parallel.timeout_s)
+        self.ps: ParallelState = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s, self.device)
+        self._set_threads()
+        torch.manual_seed(derive_seed(cfg.train.seed, "torch", self.ps.tp_rank, self.ps.dp_rank, self.ps.pp_rank))
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        self.step = 0
+        self.logger = self._build_logger()
+
+    # ---- construction -------------------------------------------------------------------------
+
+    def _set_threads(self) -> None:
+        threads = self.cfg.train.threads
+        if threads is None and self.device.type == "cpu" and self.ps.world_size > 1:
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.ps.world_size))
+            threads = max(1, (os.cpu_count() or 1) // per_node)  # don't oversubscribe shared cores
+        if threads:
+            torch.set_num_threads(threads)
+
+    def _build_data(self) -> None:
+        d = self.cfg.data
+        prefix = d.prefix
+        if prefix is None:
+            if self.ps.rank == 0:
+                prefix = ensure_default_corpus(d.cache_dir, d.tokenizer, d.default_corpus_mib, d.bpe_vocab_size)
+            holder = [prefix]
+            dist.broadcast_object_list(holder, src=0, group=self.ps.checkpoint_group)
+            prefix = holder[0]
+        self.data_prefix = prefix
+        dataset = IndexedDataset(prefix)
+        self.dataset_meta = dataset.metadata
+        samples = GPTSamples(dataset, d.seq_len, d.val_fraction)
+        t = self.cfg.train
+        self.batches = BatchSource(samples, ResumableSampler(samples.num_train, d.seed),
+                                   global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+                                   dp=self.ps.dp, dp_rank=self.ps.dp_rank)
+
+    def _build_model(self) -> None:
+        m, ps = self.cfg.model, self.ps
+        vocab = m.vocab_size or self.dataset_meta["vocab_size"]
+        if vocab < self.dataset_meta["vocab_size"]:
+            raise ValueError(f"model.vocab_size={vocab} is smaller than the dataset's vocabulary "
+                             f"({self.dataset_meta['vocab_size']}); unset model.vocab_size to take it from the data")
+        self.vocab_size = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, ps.tp)
+        spec = StageSpec(stage_layers(m.num_layers, ps.pp, ps.pp_rank), ps.is_first_stage, ps.is_last_stage,
+                         ps.tp_rank, ps.tp)
+        gen = torch.Generator(device=self.device).manual_seed(derive_seed(self.cfg.train.seed, "dropout", ps.dp_rank, ps.pp_rank))
+        model = GPTStage(m, self.vocab_size, spec, tp_group=ps.tp_group, dropout_generator=gen)
+        init_weights(model, self.cfg.train.seed)
+        self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
+        shared = {"head_weight"} if spec.is_last and not spec.is_first else set()
+        self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, shared_copies=shared)
+        self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
+        self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group)
+
+    def _build_optimizer(self) -> None:
+        o, t = self.cfg.optim, self.cfg.train
+        schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_iters, o.decay_iters or t.iters)
+        scaler = None
+        if t.precision == "fp16":
+            scaler = DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)
+        self.optimizer = DistributedAdamW(o, self.layout, self.param_flat, self.grads, dp_rank=self.ps.dp_rank,
+                                          dp_group=self.ps.dp_group, norm_group=self.ps.world_group,
+                                          schedule=schedule, scaler=scaler)
+
+    def _build_logger(self):
+        if self.ps.rank != 0:
+            return NullLogger()
+        run_dir = self.cfg.logging.run_dir
+        os.makedirs(run_dir, exist_ok=True)
+        resolved = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True)
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(resolved))
+        return MetricsLogger(self.cfg.logging, run_dir, resolved, total_steps=self.cfg.train.iters)
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def _microbatches(self, batches):
+        return [(x.to(self.device), y.to(self.device)) for x, y in batches]
+
+    def _global_loss(self, local: torch.Tensor) -> float:
+        """Mean loss over the global batch, known on every rank (computed on the last stage)."""
+        contrib = local.double() / self.ps.dp if (self.ps.is_last_stage and self.ps.tp_rank == 0) else torch.zeros((), dtype=torch.float64)
+        contrib = contrib.to(self.device)
+        dist.all_reduce(contrib, group=self.ps.world_group)
+        return float(contrib)
+
+    def _sync_tied_embedding(self) -> None:
+        if self.ps.embedding_group is not None:
+            names = [n for n, p in self.model.named_parameters() if any(p is q for q in self.model.shared_embedding_params())]
+            self.grads.all_reduce_segments(names, self.ps.embedding_group)
+
+    def train_step(self, step: int) -> dict:
+        """Run training step ``step`` and return its metrics record."""
+        start = time.perf_counter()
+        self.model.train()
+        self.grads.zero()
+        scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
+        local_loss = forward_backward_no_pipeline(self.model, self._microbatches(self.batches.train_microbatches(step)),
+                                                  loss_scale=scale)
+        self._sync_tied_embedding()
+        stats = self.optimizer.step(step)
+        loss = self._global_loss(local_loss)
+        elapsed = time.perf_counter() - start
+        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                  "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed,
+                  "consumed_samples": step * self.cfg.train.global_batch_size, "skipped": stats.skipped}
+        if self.optimizer.scaler is not None:
+            record["loss_scale"] = stats.loss_scale
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> Optional[float]:
+        batches = self.batches.val_microbatches(self.cfg.train.eval_iters)
+        if not batches:
+            return None
+        self.model.eval()
+        local = forward_backward_no_pipeline(self.model, self._microbatches(batches), loss_scale=1.0, forward_only=True)
+        return self._global_loss(local)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def train(self) -> None:
+        t = self.cfg.train
+        while self.step < t.iters:
+            step = self.step + 1
+            record = self.train_step(step)
+            self.step = step
+            if step % t.eval_interval == 0 or step == t.iters:
+                val = self.evaluate()
+                if val is not None:
+                    record["val_loss"] = val
+            self.logger.log(record)
+            self.logger.progress(step, record["loss"], record["tokens_per_s"])
+            self.last_record = record
+
+    def state_digest(self) -> str:
+        """xxh64 over every rank's full training state, combined in rank order."""
+        o = self.optimizer
+        local = shard_digest(o.state_tensors(), {"step": self.step, "adam_steps": o.adam_steps})
+        return combined_digest(local, self.ps.checkpoint_group)
+
+    def close(self) -> dict:
+        """Write the summary record (with state_digest), shut down the sinks and process groups."""
+        digest = self.state_digest()
+        summary = {"step": self.step, "event": "summary", "state_digest": digest}
+        last = getattr(self, "last_record", None)
+        if last is not None:
+            summary.update(loss=last["loss"], val_loss=last.get("val_loss"))
+        self.logger.summary(summary)
+        self.logger.close()
+        self.grads.remove_hooks()
+        if dist.is_initialized():
+            dist.barrier(group=self.ps.checkpoint_group)
+            dist.destroy_process_group()
+        return summary
