@@ -1,0 +1,31 @@
+# Two commands do everything from a bare clone (Python 3.11 + pip):
+#   make demo   set up, then train `small` on the default corpus
+#   make test   set up, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.megatier-installed
+
+.PHONY: install demo test clean
+
+install: $(STAMP)
+
+# Re-runs only when setup.py or the native sources change. torch is pinned to
+# the CPU build first; --no-build-isolation then builds megatier._C against it.
+$(STAMP): setup.py $(wildcard megatier/csrc/*)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet pybind11 ninja
+	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	touch $@
+
+demo: install
+	$(PY) pretrain_gpt.py experiment=demo
+
+test: install
+	$(PY) -m pytest -n 2 tests
+
+clean:
+	rm -rf build *.egg-info megatier/*.so runs outputs

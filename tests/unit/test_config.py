@@ -1,0 +1,75 @@
+"""Config composition and cross-field validation."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from megatier.config import ConfigError, validate
+from tests.conftest import REPO
+
+
+def test_presets_compose_and_validate(compose_config):
+    for model in ("tiny", "small", "gpt2_124m", "gpt2_10b", "gpt2_20b", "gpt2_40b"):
+        cfg = compose_config(f"model={model}", "data.seq_len=128")
+        validate(cfg)
+        assert cfg.model.name == model
+
+
+def test_paper_presets_have_table2_sizes(compose_config):
+    from megatier.model.gpt import count_parameters
+
+    expected = {"gpt2_10b": 9.9e9, "gpt2_20b": 20.2e9, "gpt2_40b": 40.3e9}
+    for model, size in expected.items():
+        cfg = compose_config(f"model={model}")
+        assert abs(count_parameters(cfg.model, 50304) - size) / size < 0.02, model
+    assert count_parameters(compose_config("model=tiny").model, 384) < 1_000_000
+
+
+def test_unknown_key_is_rejected(compose_config):
+    with pytest.raises(ConfigCompositionException):
+        compose_config("model.num_hedas=4")
+
+
+@pytest.mark.parametrize(
+    "overrides, fields",
+    [
+        (["model.num_heads=5"], ["model.num_heads=5", "model.hidden_size=64"]),
+        (["data.seq_len=512"], ["data.seq_len=512", "model.max_position_embeddings"]),
+        (["train.global_batch_size=5"], ["train.global_batch_size=5", "train.micro_batch_size"]),
+        (["train.precision=fp8"], ["train.precision"]),
+        (["optim.min_lr=1.0"], ["optim.min_lr"]),
+        (["parallel.tp=3"], ["parallel.tp=3"]),
+        (["data.prefix=/nonexistent/data"], ["data.prefix", "preprocess_data.py"]),
+        (["logging.wandb.mode=sometimes"], ["logging.wandb.mode"]),
+    ],
+)
+def test_validation_names_fields(compose_config, overrides, fields):
+    cfg = compose_config("model=tiny", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    message = str(err.value)
+    assert "\n" not in message
+    for field in fields:
+        assert field in message
+
+
+def test_world_size_must_fit_layout(compose_config):
+    cfg = compose_config("model=tiny", "parallel.tp=2", "parallel.pp=2")
+    with pytest.raises(ConfigError, match="world size 6"):
+        validate(cfg, world_size=6)
+    validate(cfg, world_size=8)
+
+
+def test_cli_bad_override_gives_one_line_reason(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", "model=tiny", "model.num_heads=5", f"logging.run_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert errors == [
+        "config error: model.num_heads=5 does not divide model.hidden_size=64; choose a head count that divides it"
+    ]

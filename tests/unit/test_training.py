@@ -1,0 +1,55 @@
+"""Whole-run behaviour of the single-process trainer."""
+from __future__ import annotations
+
+import json
+import os
+
+from megatier.training.trainer import Trainer
+
+
+def _run(cfg) -> list[dict]:
+    trainer = Trainer(cfg)
+    trainer.train()
+    trainer.close()
+    with open(os.path.join(cfg.logging.run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_thirty_steps_reduce_loss(tiny_config):
+    records = _run(tiny_config("train.iters=30", "optim.lr=3e-3", "optim.warmup_iters=3"))
+    steps = [r for r in records if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    for key in ("loss", "lr", "grad_norm", "iter_time_s", "tokens_per_s"):
+        assert all(isinstance(r[key], float) for r in steps), key
+    assert sum(r["loss"] for r in steps[-5:]) / 5 < steps[0]["loss"] - 1.0
+    assert any("val_loss" in r for r in steps)
+    assert records[-1]["event"] == "summary" and len(records[-1]["state_digest"]) == 16
+
+
+def test_same_seed_is_bit_identical_other_seed_differs(tiny_config, tmp_path):
+    a = _run(tiny_config(f"logging.run_dir={tmp_path / 'a'}"))
+    b = _run(tiny_config(f"logging.run_dir={tmp_path / 'b'}"))
+    c = _run(tiny_config(f"logging.run_dir={tmp_path / 'c'}", "train.seed=99"))
+    assert [r.get("loss") for r in a] == [r.get("loss") for r in b]
+    assert a[-1]["state_digest"] == b[-1]["state_digest"]
+    assert c[-1]["state_digest"] != a[-1]["state_digest"]
+
+
+def test_rerun_keeps_earlier_metrics(tiny_config):
+    cfg = tiny_config("train.iters=2")
+    _run(cfg)
+    _run(cfg)
+    assert os.path.exists(os.path.join(cfg.logging.run_dir, "metrics.1.jsonl"))
+
+
+def test_bf16_trains(tiny_config):
+    records = _run(tiny_config("train.precision=bf16", "train.iters=8", "optim.lr=3e-3"))
+    steps = [r for r in records if "event" not in r]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_wandb_offline_writes_run(tiny_config, tmp_path):
+    cfg = tiny_config("train.iters=2", "logging.wandb.mode=offline", f"logging.run_dir={tmp_path / 'w'}")
+    _run(cfg)
+    runs = os.listdir(tmp_path / "w" / "wandb")
+    assert any(name.startswith("offline-run-") for name in runs)
