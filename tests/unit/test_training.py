@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 from megatier.training.trainer import Trainer
 
 
@@ -42,10 +44,12 @@ def test_rerun_keeps_earlier_metrics(tiny_config):
     assert os.path.exists(os.path.join(cfg.logging.run_dir, "metrics.1.jsonl"))
 
 
-def test_bf16_trains(tiny_config):
-    records = _run(tiny_config("train.precision=bf16", "train.iters=8", "optim.lr=3e-3"))
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_trains(tiny_config, precision):
+    records = _run(tiny_config(f"train.precision={precision}", "train.iters=8", "optim.lr=3e-3"))
     steps = [r for r in records if "event" not in r]
     assert steps[-1]["loss"] < steps[0]["loss"]
+    assert ("loss_scale" in steps[0]) == (precision == "fp16")
 
 
 def test_wandb_offline_writes_run(tiny_config, tmp_path):
