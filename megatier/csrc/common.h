@@ -4,8 +4,11 @@
 // included from both the C++ and the CUDA translation units.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -88,6 +91,31 @@ inline uint64_t splitmix64(uint64_t& state) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
   return z ^ (z >> 31);
+}
+
+// Elements actually sampled for a chunk of n: sample_size, but no more than
+// n / 64 (and no less than 2048) so that sampling stays a small fraction of the pass.
+inline int64_t effective_sample_size(int64_t n, int64_t sample_size) {
+  return std::min(sample_size, std::max<int64_t>(2048, n / 64));
+}
+
+// Starts of the 16-element runs that sparsify_topk samples: one random line of
+// 16 elements in each of ceil(sample_size / 16) equal strata of the chunk
+// (ascending, spread over the whole chunk; shared by the CPU and CUDA paths).
+constexpr int64_t kSampleRun = 16;
+inline std::vector<int64_t> sample_run_starts(int64_t n, int64_t sample_size, int64_t seed) {
+  const int64_t nruns = (sample_size + kSampleRun - 1) / kSampleRun;
+  const int64_t nlines = (n + kSampleRun - 1) / kSampleRun;
+  std::vector<int64_t> starts;
+  starts.reserve((size_t)nruns);
+  uint64_t state = (uint64_t)seed;
+  for (int64_t r = 0; r < nruns; ++r) {
+    const int64_t lo = (int64_t)((__int128)nlines * r / nruns);
+    const int64_t hi = (int64_t)((__int128)nlines * (r + 1) / nruns);
+    const uint64_t rnd = splitmix64(state);
+    if (hi > lo) starts.push_back((lo + (int64_t)(rnd % (uint64_t)(hi - lo))) * kSampleRun);
+  }
+  return starts;
 }
 
 // Seed of chunk `c` of top-k segment `seg` (shared by the CPU and CUDA paths

@@ -11,7 +11,9 @@
 namespace megatier {
 
 // ---- compression (compression.cpp) ----
-std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_t block_size);
+std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_t block_size,
+                                                     std::optional<at::Tensor> codes_out,
+                                                     std::optional<at::Tensor> scales_out);
 at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales, int64_t block_size,
                                std::optional<at::Tensor> out);
 std::tuple<at::Tensor, at::Tensor> sparsify_topk_cpu(const at::Tensor& x, double ratio, int64_t sample_size,
@@ -36,7 +38,9 @@ void adamw_replay_cpu(at::Tensor& param, at::Tensor& exp_avg, at::Tensor& exp_av
                       const at::Tensor& decay_segments);
 
 #ifdef MEGATIER_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(const at::Tensor& x, int64_t block_size);
+std::tuple<at::Tensor, at::Tensor> quantize_int8_cuda(const at::Tensor& x, int64_t block_size,
+                                                      std::optional<at::Tensor> codes_out,
+                                                      std::optional<at::Tensor> scales_out);
 at::Tensor dequantize_int8_cuda(const at::Tensor& codes, const at::Tensor& scales, int64_t block_size,
                                 std::optional<at::Tensor> out);
 std::tuple<at::Tensor, at::Tensor> sparsify_topk_cuda(const at::Tensor& x, double ratio, int64_t sample_size,

@@ -1,0 +1,115 @@
+"""CUDA kernels of megatier.ops against the CPU kernels. Skipped without CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatier import ops
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and ops.native_available() and ops.native_info().get("cuda")),
+    reason="needs a GPU and megatier._C built with CUDA (MEGATIER_CUDA=auto|1)",
+)
+
+HP = dict(beta1=0.9, beta2=0.95, eps=1e-8)
+DEV = "cuda"
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _bits_equal(a, b):
+    return torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
+
+
+@pytest.mark.parametrize("n,block", [(1, 256), (100_003, 256), (5000, 7), (70_000, 1000)])
+def test_int8_cuda_equals_cpu(n, block):
+    x = torch.randn(n, generator=_gen(n)) * 3
+    x[:10] = 0.0
+    c_cpu, s_cpu = ops.quantize_int8(x, block)
+    c_gpu, s_gpu = ops.quantize_int8(x.to(DEV), block)
+    assert torch.equal(c_gpu.cpu(), c_cpu) and torch.equal(s_gpu.cpu(), s_cpu)
+    assert torch.equal(ops.dequantize_int8(c_gpu, s_gpu, block).cpu(), ops.dequantize_int8(c_cpu, s_cpu, block))
+
+
+@pytest.mark.parametrize("n", [1000, 100_003, 4_000_000])
+def test_topk_cuda_equals_cpu(n):
+    # same sample positions and threshold, same ordered compaction
+    x = torch.randn(n, generator=_gen(n))
+    a = ops.sparsify_topk(x, 0.01, seed=7)
+    b = ops.sparsify_topk(x.to(DEV), 0.01, seed=7)
+    assert torch.equal(b.values.cpu(), a.values) and torch.equal(b.indices.cpu(), a.indices)
+    assert torch.equal(ops.densify(b.values, b.indices, n).cpu(), ops.densify(a.values, a.indices, n))
+
+
+def test_topk_cuda_refinement_and_chunks():
+    n = 200_000
+    k = int(0.01 * n + 0.5)
+    r = ops.sparsify_topk(torch.ones(n, device=DEV), 0.01, 1024)
+    assert r.values.numel() == k and torch.equal(r.indices.cpu().long(), torch.arange(k))
+    ramp = torch.linspace(0, 1, n, device=DEV)
+    r = ops.sparsify_topk(ramp, 0.01, 1, seed=5)
+    assert torch.equal(r.indices.cpu().long(), torch.arange(n - k, n))
+    x = torch.randn(10_000, generator=_gen()).to(DEV)
+    res = ops.sparsify_topk(x, 0.05, 512, seed=2, chunk_size=3000)
+    dense = ops.densify(res.values, res.indices, 10_000, chunk_counts=res.chunk_counts, chunk_size=3000)
+    cpu = ops.sparsify_topk(x.cpu(), 0.05, 512, seed=2, chunk_size=3000)
+    assert torch.equal(dense.cpu(), ops.densify(cpu.values, cpu.indices, 10_000, chunk_counts=cpu.chunk_counts,
+                                                chunk_size=3000))
+
+
+@pytest.mark.parametrize("mode", ops.MODES)
+def test_records_cuda(mode):
+    segs = [(0, 1000), (1000, 150_000), (151_000, 7)]
+    n = 151_007
+    x = torch.randn(n, generator=_gen(3))
+    rec_cpu = ops.compress_segments(x, segs, mode, seed=1)
+    rec_gpu = ops.compress_segments(x.to(DEV), segs, mode, seed=1)
+    assert rec_gpu.header == rec_cpu.header
+    assert torch.equal(ops.decompress_segments(rec_gpu).cpu(), ops.decompress_segments(rec_cpu))
+    assert torch.equal(ops.decompress_segments(rec_cpu.to(DEV)).cpu(), ops.decompress_segments(rec_cpu))
+
+
+@pytest.mark.parametrize("N", [1, 5, 20])
+def test_adamw_cuda_replay_equals_steps_and_cpu(N):
+    n = 100_003
+    g = _gen(N)
+    p, m, v = torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.01, torch.rand(n, generator=g) * 1e-4
+    grads = [torch.randn(n, generator=g) for _ in range(N)]
+    decay = torch.tensor([[10, 5000], [6000, n]])
+    steps, lrs = list(range(1, N + 1)), [1e-3 * (i + 1) for i in range(N)]
+    cpu = [t.clone() for t in (p, m, v)]
+    seq = [t.to(DEV) for t in (p, m, v)]
+    rep = [t.to(DEV) for t in (p, m, v)]
+    for i in range(N):
+        ops.adamw_step(*cpu, grads[i], steps[i], lrs[i], weight_decay=0.1, decay_segments=decay, **HP)
+        ops.adamw_step(*seq, grads[i].to(DEV), steps[i], lrs[i], weight_decay=0.1, decay_segments=decay, **HP)
+    ops.adamw_replay(*rep, [gr.to(DEV) for gr in grads], steps, lrs, weight_decay=0.1, decay_segments=decay, **HP)
+    for a, b, c in zip(rep, seq, cpu):
+        assert _bits_equal(a, b)  # replay == N x step
+        assert _bits_equal(b, c)  # IEEE div/sqrt, no FMA: same bits as the CPU kernel
+
+
+def test_adamw_cuda_records_equal_dense():
+    n = 151_007
+    segs = [(0, 1000), (1000, 150_000), (151_000, 7)]
+    grads = [torch.randn(n, generator=_gen(i)) for i in range(4)]
+    recs = [ops.compress_segments(g, segs, "adaptive", seed=i).to(DEV) for i, g in enumerate(grads)]
+    dense = [ops.decompress_segments(r) for r in recs]
+    a = [torch.randn(n, generator=_gen(9)).to(DEV), torch.zeros(n, device=DEV), torch.zeros(n, device=DEV)]
+    b = [t.clone() for t in a]
+    no_decay = torch.empty(0, 2, dtype=torch.int64)
+    ops.adamw_replay(*a, recs, [1, 2, 3, 4], [1e-3] * 4, weight_decay=0.0, decay_segments=no_decay, **HP)
+    ops.adamw_replay(*b, dense, [1, 2, 3, 4], [1e-3] * 4, weight_decay=0.0, decay_segments=no_decay, **HP)
+    assert all(_bits_equal(x, y) for x, y in zip(a, b))
+
+
+def test_cuda_bad_input():
+    p = torch.zeros(10, device=DEV)
+    with pytest.raises(ValueError, match="grad is on"):
+        ops.adamw_step(p, p.clone(), p.clone(), torch.zeros(10), 1, 1e-3, weight_decay=0.0,
+                       decay_segments=torch.empty(0, 2, dtype=torch.int64), **HP)
+    with pytest.raises((ValueError, RuntimeError)):
+        ops.densify(torch.ones(2, dtype=torch.float16, device=DEV), torch.tensor([1, 50], dtype=torch.int32,
+                    device=DEV), 10)
