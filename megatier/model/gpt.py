@@ -197,9 +197,10 @@ def init_weights(model: GPTStage, seed: int) -> None:
         full_shape = list(param.shape)
         if dim is not None:
             full_shape[dim] *= spec.tp
+        owner = name.rsplit(".", 1)[0] if "." in name else ""  # "layers.0.ln1", "" for head_weight
         if name.endswith(".bias"):
             full = torch.zeros(full_shape)
-        elif "ln" in name.split(".")[-2] or name.startswith("final_norm"):
+        elif owner.rsplit(".", 1)[-1] in ("ln1", "ln2", "final_norm"):
             full = torch.ones(full_shape)
         else:
             std = cfg.init_std

@@ -13,6 +13,8 @@ What the checkpoint system reads (valid after ``step`` returns):
   last_lr, last_skipped         scalars of that step
   adam_steps                    applied (non-skipped) steps: the bias-correction count
   shard_segments                global names, offsets and shapes in the shard
+                                (shapes are this tp rank's slice; names use
+                                global layer indices, see FlatLayout)
 """
 from __future__ import annotations
 
@@ -103,7 +105,7 @@ class DistributedAdamW:
         """Copy the master shard into the model's parameters on every dp rank."""
         self._param_shard.copy_(self.master)
         if self.layout.dp > 1:
-            dist.all_gather_into_tensor(self.param_flat, self._param_shard.clone(), group=self.dp_group)
+            dist.all_gather_single(self.param_flat, self._param_shard.clone(), group=self.dp_group)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

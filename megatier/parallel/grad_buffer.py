@@ -4,6 +4,12 @@ Every parameter's gradient is accumulated (across micro-batches) into an fp32
 view of one flat buffer laid out exactly like the parameter buffer. After the
 last micro-batch the buffer is averaged over dp with one reduce-scatter, which
 leaves each dp rank the gradient of the shard its ZeRO-1 optimizer owns.
+
+The reduction is deliberately one reduce-scatter after backward, not bucketed
+and overlapped: each dp rank owns one contiguous range of the whole flat space
+(the unit the checkpoint system saves and replays), so a bucket would have to be
+reduced piecewise to the owners of the ranges it straddles. At the model sizes
+this runs on CPU the single collective is not the bottleneck.
 """
 from __future__ import annotations
 
@@ -55,7 +61,7 @@ class GradBuffer:
             return self.flat[lo:hi].clone()
         shard = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.flat.device)
         self.flat.div_(dp)
-        dist.reduce_scatter_tensor(shard, self.flat, group=self.dp_group)
+        dist.reduce_scatter_single(shard, self.flat, group=self.dp_group)
         return shard
 
     def remove_hooks(self) -> None:

@@ -41,6 +41,18 @@ def shard_of_full(full: torch.Tensor, dim: Optional[int], stride: int, tp_rank: 
     return mine.reshape(shape[:dim] + [size // tp] + shape[dim + 1:]).contiguous()
 
 
+def full_from_shards(shards: list[torch.Tensor], dim: Optional[int], stride: int = 1) -> torch.Tensor:
+    """Inverse of :func:`shard_of_full`: the full tensor from every tp rank's slice, in tp-rank order."""
+    if dim is None or len(shards) == 1:
+        return shards[0]
+    shape = list(shards[0].shape)
+    if shape[dim] % stride != 0:
+        raise ValueError(f"dim {dim} of size {shape[dim]} cannot hold stride {stride}")
+    blocks = [s.reshape(shape[:dim] + [stride, shape[dim] // stride] + shape[dim + 1:]) for s in shards]
+    full = torch.stack(blocks, dim=dim + 1)  # (..., stride, tp, chunk, ...)
+    return full.reshape(shape[:dim] + [shape[dim] * len(shards)] + shape[dim + 1:])
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A cut by output rows: (out/tp, in) per rank.
 
@@ -54,6 +66,10 @@ class ColumnParallelLinear(nn.Module):
         tp = dist.get_world_size(group)
         if out_features % (tp * stride) != 0:
             raise ValueError(f"output size {out_features} is not divisible by tp={tp} x stride={stride}")
+        if gather_output and stride != 1 and tp > 1:
+            # Gathering rank chunks of a strided split interleaves the blocks (q0 k0 v0 q1 k1 v1),
+            # which is not the unsplit output order.
+            raise ValueError("gather_output needs stride 1: a strided output cannot be gathered in order")
         self.gather_output = gather_output
         self.weight = mark_partition(nn.Parameter(torch.empty(out_features // tp, in_features)), 0, stride)
         self.bias = mark_partition(nn.Parameter(torch.empty(out_features // tp)), 0, stride) if bias else None

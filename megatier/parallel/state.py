@@ -6,10 +6,16 @@ Rank order is tp fastest, then dp, then pp::
 
 so a tensor-parallel group is a run of consecutive ranks and stays inside a
 node whenever tp divides the processes per node.
+
+Nodes are identified by name (MEGATIER_NODE_NAME for simulated nodes, else
+node<GROUP_RANK> from torchrun, else the hostname) and indexed in natural name
+order, so node{i} has index i and the Tier-2 ring node n -> node n+1 does not
+depend on which global ranks a rendezvous handed each node.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -99,12 +105,19 @@ class ParallelState:
         )
 
 
+def _node_order_key(name: str) -> list:
+    """Natural order of node names: node2 before node10, so node{i} gets index i."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
 def _ring_peers(rank: int, identities: list[tuple[str, int]]) -> tuple[list[str], Optional[int], Optional[int]]:
-    """Node order (first appearance by rank) and this rank's replica holder/owner."""
-    nodes: list[str] = []
-    for name, _ in identities:
-        if name not in nodes:
-            nodes.append(name)
+    """Node order and this rank's replica holder/owner.
+
+    Nodes are ordered by name, not by which ranks they got: an elastic
+    re-rendezvous may hand a node different global ranks, but the ring of node
+    names (and so which node holds whose Tier-2 replica) stays the same.
+    """
+    nodes = sorted({name for name, _ in identities}, key=_node_order_key)
     by_slot = {(name, local): r for r, (name, local) in enumerate(identities)}
     name, local = identities[rank]
     if len(nodes) < 2:

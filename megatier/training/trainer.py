@@ -29,7 +29,8 @@ from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
 from megatier.parallel.grad_buffer import GradBuffer
-from megatier.parallel.schedules import forward_backward_no_pipeline
+from megatier.parallel.p2p import PipelineComm
+from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
 from megatier.seeding import derive_seed
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 
@@ -107,6 +108,9 @@ class Trainer:
         self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, shared_copies=shared)
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
         self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group)
+        self.comm = None
+        if ps.pp > 1:
+            self.comm = PipelineComm(group=ps.pp_group, dtype=DTYPES[self.cfg.train.precision], device=self.device)
 
     def _build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -133,6 +137,16 @@ class Trainer:
     def _microbatches(self, batches):
         return [(x.to(self.device), y.to(self.device)) for x, y in batches]
 
+    def _forward_backward(self, batches, *, loss_scale: float, forward_only: bool = False) -> torch.Tensor:
+        """Run this rank's micro-batches through the schedule of the layout (pp == 1: no pipeline; else 1F1B)."""
+        mbs = self._microbatches(batches)
+        if self.comm is None:
+            return forward_backward_no_pipeline(self.model, mbs, loss_scale=loss_scale, forward_only=forward_only)
+        hidden = self.cfg.model.hidden_size
+        if forward_only:
+            return forward_pipeline(self.model, mbs, comm=self.comm, hidden_size=hidden)
+        return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale)
+
     def _global_loss(self, local: torch.Tensor) -> float:
         """Mean loss over the global batch, known on every rank (computed on the last stage)."""
         contrib = local.double() / self.ps.dp if (self.ps.is_last_stage and self.ps.tp_rank == 0) else torch.zeros((), dtype=torch.float64)
@@ -151,8 +165,7 @@ class Trainer:
         self.model.train()
         self.grads.zero()
         scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
-        local_loss = forward_backward_no_pipeline(self.model, self._microbatches(self.batches.train_microbatches(step)),
-                                                  loss_scale=scale)
+        local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
         self._sync_tied_embedding()
         stats = self.optimizer.step(step)
         loss = self._global_loss(local_loss)
@@ -171,7 +184,7 @@ class Trainer:
         if not batches:
             return None
         self.model.eval()
-        local = forward_backward_no_pipeline(self.model, self._microbatches(batches), loss_scale=1.0, forward_only=True)
+        local = self._forward_backward(batches, loss_scale=1.0, forward_only=True)
         return self._global_loss(local)
 
     # ---- the loop -----------------------------------------------------------------------------
