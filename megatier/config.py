@@ -102,10 +102,59 @@ class TrainConfig:
 
 
 @dataclass
+class DiffStreamConfig:
+    """Differential stream: every step's gradient shard, compressed, saved N steps per batch."""
+
+    # N consecutive steps per diff batch, the unit of saving and replay.
+    batch: int = 5
+    compression: str = "adaptive"  # adaptive | int8 | topk | bf16 | fp32 (fp32 replays bit for bit)
+    topk_ratio: float = 0.01
+    # adaptive: segments with fewer elements than this use blockwise INT8, larger ones top-k.
+    small_threshold: int = 100_000
+
+
+@dataclass
+class PeerTierConfig:
+    """Tier-2: replication to the same local rank on the next node of the ring."""
+
+    # Cap on one paced chunk of a base replica.
+    max_chunk_mib: float = 256.0
+
+
+@dataclass
+class LocalTierConfig:
+    """Tier-1: node memory that outlives the process; files under <root>/<job_id>/<node>/."""
+
+    root: str = "/dev/shm/megatier"
+
+
+@dataclass
+class RemoteTierConfig:
+    """Tier-3: a directory (a shared file system) or s3://bucket/prefix; objects under <url>/<job_id>/."""
+
+    url: str = "checkpoints"
+    # S3-compatible endpoint (MinIO, moto, ...); None: AWS. Credentials come from the usual AWS environment.
+    endpoint_url: Optional[str] = None
+    # Committed bases kept on Tier-3 at or below the watermark.
+    keep_bases: int = 2
+
+
+@dataclass
 class CheckpointConfig:
-    """Tiered checkpointing (see DESIGN.md section 4)."""
+    """Tiered checkpointing (see DESIGN.md section 4); checked by megatier.checkpoint.validation."""
 
     enabled: bool = False
+    tiers: list[str] = field(default_factory=lambda: ["local", "peer", "remote"])
+    # Steps between base checkpoints; must be a multiple of diff.batch.
+    base_interval: int = 50
+    diff: DiffStreamConfig = field(default_factory=DiffStreamConfig)
+    peer: PeerTierConfig = field(default_factory=PeerTierConfig)
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    # Names this run's checkpoints in every tier; a plain name ([A-Za-z0-9._-]).
+    job_id: str = "${logging.name}"
+    # Host memory that checkpoint payloads awaiting transfer may hold before the loop blocks.
+    memory_budget_gib: float = 8.0
 
 
 @dataclass

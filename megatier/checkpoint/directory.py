@@ -1,0 +1,221 @@
+"""A store on a local or shared file system directory (Tier-1 under /dev/shm, Tier-3 as a directory).
+
+Atomicity comes from the file system, not from locks:
+- ``put`` writes ``<key>.tmp-<random>`` in the key's directory, fsyncs it, and
+  ``os.replace``-s it onto the key (atomic on POSIX), then fsyncs the directory
+  so the rename itself survives a power loss on a real disk.
+- ``put_if_absent`` writes a fsynced temp file the same way and ``os.link``-s it
+  to the key: link fails with EEXIST when the key exists, so the object appears
+  complete or not at all and exactly one concurrent caller wins. The file
+  system must support hard links (every POSIX local FS, NFS and Lustre do).
+- Temp names contain ``.tmp-`` and are never listed; a crash leaves at most a
+  temp file, which :meth:`DirectoryStore.sweep_temp` removes.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+
+from megatier.checkpoint.store import ObjectNotFound, ObjectStore, StoreError, StoreUnavailable, check_key
+
+_TMP = ".tmp-"
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PartialFile:
+    """A temp file next to its final path, written in pieces; never listed, never visible as the key."""
+
+    def __init__(self, path: str, *, fsync: bool = True):
+        self.fsync = fsync
+        self.size = 0
+        directory = os.path.dirname(path)
+        for _ in range(3):  # a concurrent delete may prune a parent directory while we create ours
+            self.tmp = f"{path}{_TMP}{secrets.token_hex(6)}"
+            try:
+                os.makedirs(directory, exist_ok=True)
+                self._file = open(self.tmp, "xb")
+                return
+            except FileNotFoundError:
+                continue
+        raise StoreError(f"cannot create a file in {directory}: the directory keeps disappearing")
+
+    def append(self, data: bytes) -> None:
+        self._file.write(data)
+        self.size += len(data)
+
+    def seal(self) -> str:
+        """Flush, fsync and close; returns the temp path, ready to be renamed or linked."""
+        if not self._file.closed:
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+            self._file.close()
+        return self.tmp
+
+    def discard(self) -> None:
+        """Close and remove the temp file (idempotent)."""
+        self._file.close()
+        try:
+            os.unlink(self.tmp)
+        except FileNotFoundError:
+            pass
+
+
+class DirectoryStore(ObjectStore):
+    """Objects as files under ``root``; a key's '/' parts are subdirectories."""
+
+    def __init__(self, root: str, *, fsync: bool = True):
+        self.root = os.path.abspath(os.path.expanduser(root))
+        self.url = self.root
+        self.fsync = fsync
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _write_temp(self, path: str, data: bytes) -> str:
+        """Write ``data`` to a fresh, fsynced temp file next to ``path``; returns the temp path."""
+        partial = PartialFile(path, fsync=self.fsync)
+        try:
+            partial.append(data)
+            return partial.seal()
+        except BaseException:
+            partial.discard()
+            raise
+
+    def begin(self, key: str) -> PartialFile:
+        """Start writing ``key`` piece by piece; nothing is visible until :meth:`publish`."""
+        try:
+            return PartialFile(self._path(key), fsync=self.fsync)
+        except OSError as e:
+            raise self._wrap(e, "writing", key) from e
+
+    def publish(self, partial: PartialFile, key: str) -> None:
+        """Atomically make a finished PartialFile the object ``key`` (replacing any old one)."""
+        path = self._path(key)
+        try:
+            os.replace(partial.seal(), path)
+            if self.fsync:
+                _fsync_dir(os.path.dirname(path))
+        except OSError as e:
+            partial.discard()
+            raise self._wrap(e, "writing", key) from e
+
+    def _wrap(self, e: OSError, what: str, key: str) -> StoreError:
+        hint = "check free space, permissions and that the file system is mounted"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            hint = "the file system is full; free space or lower retention"
+        return StoreUnavailable(f"{what} {self.describe(key)} failed: {e.strerror or e}; {hint}",
+                                transient=e.errno in (errno.EIO, errno.EAGAIN, errno.EINTR, errno.ESTALE))
+
+    def put(self, key: str, data: bytes) -> None:
+        partial = self.begin(key)
+        try:
+            partial.append(data)
+        except OSError as e:
+            partial.discard()
+            raise self._wrap(e, "writing", key) from e
+        self.publish(partial, key)
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        path = self._path(key)
+        try:
+            if os.path.exists(path):
+                return False
+            tmp = self._write_temp(path, data)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+            if self.fsync:
+                _fsync_dir(os.path.dirname(path))
+            return True
+        except OSError as e:
+            if e.errno in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise StoreUnavailable(f"creating {self.describe(key)} exclusively failed: {e.strerror}; the file "
+                                       f"system must support hard links for conditional creates") from e
+            raise self._wrap(e, "creating", key) from e
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError as e:
+            raise ObjectNotFound(f"{self.describe(key)} does not exist") from e
+        except OSError as e:
+            raise self._wrap(e, "reading", key) from e
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def list(self, prefix: str = "") -> dict[str, int]:
+        # Walk only the deepest directory the prefix names, then filter by the full prefix.
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self._path(base) if base else self.root
+        out: dict[str, int] = {}
+        for dirpath, _, files in os.walk(start):
+            rel = os.path.relpath(dirpath, self.root)
+            for name in files:
+                if _TMP in name:
+                    continue
+                key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    out[key] = os.stat(os.path.join(dirpath, name)).st_size
+                except FileNotFoundError:  # deleted while listing
+                    continue
+        return out
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise self._wrap(e, "deleting", key) from e
+        self._prune(os.path.dirname(path))
+
+    def _prune(self, directory: str) -> None:
+        """Remove now-empty parent directories up to the root (rmdir refuses non-empty ones)."""
+        while directory != self.root and directory.startswith(self.root + os.sep):
+            try:
+                os.rmdir(directory)
+            except OSError:
+                return
+            directory = os.path.dirname(directory)
+
+    def sweep_temp(self, prefix: str = "") -> int:
+        """Delete temp files left by crashed writers under ``prefix`` (a directory key); returns the count.
+
+        Only safe when no writer is active under ``prefix``.
+        """
+        start = self._path(prefix.rstrip("/")) if prefix.strip("/") else self.root
+        removed = 0
+        for dirpath, _, files in os.walk(start):
+            for name in files:
+                if _TMP in name:
+                    os.unlink(os.path.join(dirpath, name))
+                    removed += 1
+        return removed
+
+    def check(self) -> None:
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as e:
+            raise StoreUnavailable(f"cannot create checkpoint directory {self.root}: {e.strerror}; check the "
+                                   f"path and its permissions") from e
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreUnavailable(f"checkpoint directory {self.root} is not writable; fix its permissions or "
+                                   f"choose another path")

@@ -1,0 +1,204 @@
+"""Tier-1: one node's checkpoint area in memory that outlives the training process.
+
+Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
+
+    own/rank00003/base/v00000050.safetensors            rank 3's base at version 50
+    own/rank00003/base/v00000050.json                   its stamp (size, xxh64, job, layout)
+    own/rank00003/diff/v00000046-00000050.safetensors   rank 3's diff batch of steps 46..50
+    own/rank00003/diff/v00000046-00000050.json
+    replica/rank00001/base/v00000050.safetensors        rank 1's replica, held here (Tier-2)
+    replica/rank00001/base/v00000050.json
+
+Invariants:
+- A payload is complete exactly when its stamp exists. The data file is written
+  (atomically) first, the stamp last; a re-save removes the old stamp before
+  touching the data. A crash anywhere leaves the payload either complete and
+  valid, or without a stamp and therefore invisible.
+- Each area (``own/rankR``, ``replica/rankO``) has one writer: rank R, or the
+  holder of O's replica. So a rank may sweep its own areas' leftovers without
+  racing other processes on the node.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import xxhash
+
+from megatier.checkpoint.directory import DirectoryStore, PartialFile
+from megatier.checkpoint.naming import FaultHook, PayloadId, check_path_component, parse_rank_name, rank_name
+from megatier.checkpoint.payload import EncodedPayload, PayloadError, Stamp, verify_payload
+from megatier.checkpoint.store import ObjectNotFound
+
+log = logging.getLogger(__name__)
+
+T1_MID_WRITE = "t1.mid_write"
+_DATA, _STAMP = ".safetensors", ".json"
+
+
+def _area(owner_rank: int, replica: bool) -> str:
+    return f"{'replica' if replica else 'own'}/{rank_name(owner_rank)}"
+
+
+@dataclass(frozen=True)
+class LocalEntry:
+    """One unit found in an area: which files of it exist (a complete one has both)."""
+
+    owner_rank: int
+    replica: bool
+    pid: PayloadId
+    data_size: Optional[int]
+    has_stamp: bool
+
+    @property
+    def complete(self) -> bool:
+        return self.data_size is not None and self.has_stamp
+
+
+class LocalTier:
+    """The Tier-1 area of node ``node`` for job ``job_id`` under ``root``."""
+
+    def __init__(self, root: str, job_id: str, node: str, *, fault_hook: Optional[FaultHook] = None,
+                 fsync: bool = True):
+        check_path_component(job_id, "checkpoint.job_id")
+        check_path_component(node, "node name")
+        self.node = node
+        self.store = DirectoryStore(os.path.join(root, job_id, node), fsync=fsync)
+        self.fault_hook = fault_hook
+
+    @staticmethod
+    def nodes(root: str, job_id: str) -> list[str]:
+        """Node directories present for ``job_id`` under ``root`` (sorted)."""
+        job_dir = os.path.join(os.path.abspath(os.path.expanduser(root)), job_id)
+        if not os.path.isdir(job_dir):
+            return []
+        return sorted(n for n in os.listdir(job_dir) if os.path.isdir(os.path.join(job_dir, n)))
+
+    def _keys(self, owner_rank: int, pid: PayloadId, replica: bool) -> tuple[str, str]:
+        base = f"{_area(owner_rank, replica)}/{pid.dirname}"
+        return base + _DATA, base + _STAMP
+
+    def describe(self, owner_rank: int, pid: PayloadId, replica: bool = False) -> str:
+        return self.store.describe(self._keys(owner_rank, pid, replica)[0])
+
+    def save(self, payload: EncodedPayload, *, replica: bool = False) -> None:
+        """Write a payload whole (own area of its rank, or the replica area); atomic as described above."""
+        stamp = payload.stamp
+        data_key, stamp_key = self._keys(stamp.rank, stamp.pid, replica)
+        self.store.delete(stamp_key)
+        self.store.put(data_key, payload.data)
+        if self.fault_hook is not None:
+            self.fault_hook(T1_MID_WRITE, stamp.pid.version)
+        self.store.put(stamp_key, stamp.to_json())
+
+    def begin_replica(self, stamp: Stamp) -> "ReplicaWriter":
+        """Receive the replica that ``stamp`` describes chunk by chunk (Tier-2 paced transfer)."""
+        data_key, stamp_key = self._keys(stamp.rank, stamp.pid, True)
+        self.store.delete(stamp_key)
+        return ReplicaWriter(self.store, stamp, data_key, stamp_key)
+
+    def load(self, owner_rank: int, pid: PayloadId, *, replica: bool = False) -> EncodedPayload:
+        """The complete payload, checksum-verified; ObjectNotFound if absent, PayloadError if bad."""
+        data_key, stamp_key = self._keys(owner_rank, pid, replica)
+        source = self.store.describe(data_key)
+        try:
+            stamp = Stamp.from_json(self.store.get(stamp_key), self.store.describe(stamp_key))
+        except ObjectNotFound as e:
+            raise ObjectNotFound(f"{source}: no complete payload (its stamp is missing)") from e
+        if stamp.pid != pid or stamp.rank != owner_rank:
+            raise PayloadError(f"{source}: stamp describes {stamp.pid} of rank {stamp.rank}, expected {pid} "
+                               f"of rank {owner_rank}")
+        data = self.store.get(data_key)
+        verify_payload(data, stamp, source)
+        return EncodedPayload(data, stamp)
+
+    def entries(self, *, replica: bool = False, owner_rank: Optional[int] = None) -> list[LocalEntry]:
+        """Every unit with any file in the area(s), complete or not, sorted by (owner, unit)."""
+        prefix = f"{_area(owner_rank, replica)}/" if owner_rank is not None else f"{'replica' if replica else 'own'}/"
+        found: dict[tuple[int, PayloadId], dict] = {}
+        for key, size in self.store.list(prefix).items():
+            parts = key.split("/")
+            if len(parts) != 4:
+                continue
+            owner = parse_rank_name(parts[1])
+            stem, ext = os.path.splitext(parts[3])
+            pid = PayloadId.from_dirname(f"{parts[2]}/{stem}")
+            if owner is None or pid is None or ext not in (_DATA, _STAMP):
+                continue
+            slot = found.setdefault((owner, pid), {"data": None, "stamp": False})
+            if ext == _DATA:
+                slot["data"] = size
+            else:
+                slot["stamp"] = True
+        return [LocalEntry(owner, replica, pid, s["data"], s["stamp"]) for (owner, pid), s in sorted(found.items())]
+
+    def list(self, *, replica: bool = False, owner_rank: Optional[int] = None) -> list[Stamp]:
+        """Stamps of the complete payloads in the area(s); unreadable stamps are logged and left out."""
+        out = []
+        for e in self.entries(replica=replica, owner_rank=owner_rank):
+            if not e.complete:
+                continue
+            stamp_key = self._keys(e.owner_rank, e.pid, replica)[1]
+            try:
+                out.append(Stamp.from_json(self.store.get(stamp_key), self.store.describe(stamp_key)))
+            except (PayloadError, ObjectNotFound) as err:
+                log.warning("ignoring Tier-1 entry: %s", err)
+        return out
+
+    def delete(self, owner_rank: int, pid: PayloadId, *, replica: bool = False) -> None:
+        """Remove a unit: stamp first, so it stops being complete before its data goes."""
+        data_key, stamp_key = self._keys(owner_rank, pid, replica)
+        self.store.delete(stamp_key)
+        self.store.delete(data_key)
+
+    def sweep_incomplete(self, owner_rank: int, *, replica: bool = False) -> list[PayloadId]:
+        """Remove crashed writers' leftovers in one area (only its single writer may call this)."""
+        self.store.sweep_temp(_area(owner_rank, replica))
+        removed = [e.pid for e in self.entries(replica=replica, owner_rank=owner_rank) if not e.complete]
+        for pid in removed:
+            self.delete(owner_rank, pid, replica=replica)
+        return removed
+
+    def bytes_held(self) -> int:
+        """Bytes of every file in this node's area (own and replicas, complete or not)."""
+        return sum(self.store.list("").values())
+
+
+class ReplicaWriter:
+    """A replica arriving in order, chunk by chunk; complete only after :meth:`finish` verifies it."""
+
+    def __init__(self, store: DirectoryStore, stamp: Stamp, data_key: str, stamp_key: str):
+        self.stamp = stamp
+        self._store = store
+        self._keys = (data_key, stamp_key)
+        self._partial: PartialFile = store.begin(data_key)
+        self._hash = xxhash.xxh64()
+
+    @property
+    def received(self) -> int:
+        return self._partial.size
+
+    def append(self, chunk: bytes) -> None:
+        if self._partial.size + len(chunk) > self.stamp.size:
+            self.abort()
+            raise PayloadError(f"{self._store.describe(self._keys[0])}: received more than the announced "
+                               f"{self.stamp.size} bytes; the transfer is out of order or corrupt")
+        self._partial.append(chunk)
+        self._hash.update(chunk)
+
+    def finish(self) -> None:
+        """Verify size and xxh64, then publish data and stamp; PayloadError (and nothing kept) on mismatch."""
+        source = self._store.describe(self._keys[0])
+        got_size, got_hash = self._partial.size, self._hash.hexdigest()
+        if got_size != self.stamp.size or got_hash != self.stamp.xxh64:
+            self.abort()
+            raise PayloadError(f"{source}: received {got_size} bytes with xxh64 {got_hash}, expected "
+                               f"{self.stamp.size} bytes with {self.stamp.xxh64}; the replica was discarded")
+        self._store.publish(self._partial, self._keys[0])
+        self._store.put(self._keys[1], self.stamp.to_json())
+
+    def abort(self) -> None:
+        """Drop what was received; nothing becomes visible."""
+        self._partial.discard()

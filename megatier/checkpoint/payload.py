@@ -1,0 +1,310 @@
+"""Checkpoint payloads: one rank's base or diff batch as safetensors bytes, plus its stamp.
+
+A payload is serialized once (``safetensors.torch.save`` to bytes) and the same
+bytes go to every tier. Its :class:`Stamp` is stored beside it (a Tier-1 JSON
+file, a Tier-3 done marker and commit record) and carries the xxh64 of those
+exact bytes, their size, the job id and the layout. The safetensors metadata
+(key ``"megatier"``, one JSON string) repeats the job id, the layout and the
+unit, so a payload separated from its stamp still says whose it is.
+
+Base payload tensors: ``master``, ``exp_avg``, ``exp_avg_sq`` (flat fp32 shard,
+shape (shard_size,)) and ``rng/<name>`` (RNG state tensors, e.g. the uint8
+tensor of ``torch.get_rng_state()``). Metadata: version, Adam step count,
+LR-schedule, loss-scaler and data-position state, and the shard segment table.
+
+Diff batch tensors: ``s<step>/<name>`` for each step's compressed record.
+Metadata per step: step, lr, adam_step, skipped, the record's JSON header and
+its tensor names (a step may have none, e.g. a skipped fp16 step).
+
+Checksums are verified where bytes are read from a tier (the tier loaders call
+:func:`verify_payload`); :func:`decode_base` and :func:`decode_diff_batch`
+check identity (job id, layout, unit) against the stamp and the caller.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import safetensors.torch
+import torch
+import xxhash
+
+from megatier.checkpoint.naming import BASE, DIFF, PayloadId
+
+FORMAT = 1
+_META_KEY = "megatier"
+_STATE_TENSORS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class PayloadError(Exception):
+    """A payload or its stamp is corrupt, truncated, or belongs to another job, layout or unit."""
+
+
+def checksum(data: bytes) -> str:
+    """xxh64 of ``data`` as 16 hex digits (hex, not int: JSON readers lose integers above 2^53)."""
+    return xxhash.xxh64(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """The 3D layout (degrees) and this rank's coordinates in it; rank order as in ParallelState."""
+
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    def __post_init__(self) -> None:
+        for degree, coord in ((self.tp, self.tp_rank), (self.pp, self.pp_rank), (self.dp, self.dp_rank)):
+            if degree < 1 or not 0 <= coord < degree:
+                raise ValueError(f"invalid layout {self.to_dict()}: each coordinate must lie in [0, degree)")
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * (self.dp * self.tp) + self.dp_rank * self.tp + self.tp_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def degrees(self) -> tuple[int, int, int]:
+        return self.tp, self.pp, self.dp
+
+    @classmethod
+    def from_parallel_state(cls, ps: Any) -> "ShardLayout":
+        return cls(ps.tp, ps.pp, ps.dp, ps.tp_rank, ps.pp_rank, ps.dp_rank)
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "dp": self.dp,
+                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardLayout":
+        return cls(*(int(d[k]) for k in ("tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank")))
+
+    def __str__(self) -> str:
+        return (f"tp={self.tp_rank}/{self.tp} pp={self.pp_rank}/{self.pp} dp={self.dp_rank}/{self.dp} "
+                f"(rank {self.rank})")
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What is stored beside a payload: its unit, size, xxh64, job id and layout."""
+
+    pid: PayloadId
+    size: int
+    xxh64: str
+    job_id: str
+    layout: ShardLayout
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    def to_dict(self) -> dict:
+        return {"format": FORMAT, **self.pid.to_dict(), "size": self.size, "xxh64": self.xxh64,
+                "job_id": self.job_id, "layout": self.layout.to_dict()}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str) -> "Stamp":
+        try:
+            if int(d["format"]) != FORMAT:
+                raise PayloadError(f"{source}: stamp format {d['format']} is not {FORMAT}; it was written by "
+                                   f"another MegaTier version")
+            return cls(PayloadId.from_dict(d), int(d["size"]), str(d["xxh64"]), str(d["job_id"]),
+                       ShardLayout.from_dict(d["layout"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PayloadError(f"{source}: malformed stamp ({type(e).__name__}: {e}); the copy is unusable, "
+                               f"delete it or recover from another tier") from e
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, source: str) -> "Stamp":
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PayloadError(f"{source}: stamp is not valid JSON ({e}); the copy is unusable, delete it or "
+                               f"recover from another tier") from e
+        if not isinstance(d, dict):
+            raise PayloadError(f"{source}: stamp is not a JSON object")
+        return cls.from_dict(d, source)
+
+
+@dataclass(frozen=True)
+class EncodedPayload:
+    """Serialized payload bytes and their stamp; the unit every tier stores and moves."""
+
+    data: bytes
+    stamp: Stamp
+
+
+def verify_payload(data: bytes, stamp: Stamp, source: str) -> None:
+    """Raise PayloadError unless ``data`` has the size and xxh64 that ``stamp`` records."""
+    if len(data) != stamp.size:
+        raise PayloadError(f"{source}: size {len(data)} bytes, stamp says {stamp.size}; the copy is truncated "
+                           f"or overwritten, recover {stamp.pid} of rank {stamp.rank} from another tier")
+    got = checksum(data)
+    if got != stamp.xxh64:
+        raise PayloadError(f"{source}: xxh64 {got} does not match the recorded {stamp.xxh64}; the copy is "
+                           f"corrupt, recover {stamp.pid} of rank {stamp.rank} from another tier")
+
+
+@dataclass
+class BaseState:
+    """One rank's full optimizer shard at ``version`` (the state right after step ``version``)."""
+
+    version: int
+    adam_steps: int
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    schedule: dict
+    loss_scaler: Optional[dict]
+    data_position: dict
+    rng: dict[str, torch.Tensor] = field(default_factory=dict)
+    segments: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class DiffStep:
+    """One step's compressed gradient record (``tensors`` + JSON ``header``) and its replay scalars."""
+
+    step: int
+    lr: float
+    adam_step: int
+    skipped: bool
+    tensors: dict[str, torch.Tensor]
+    header: dict
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous()
+
+
+def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Clone tensors whose storage another entry already uses (safetensors refuses shared storage)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen and t.numel() > 0:
+            t = t.clone()
+        seen.add(ptr)
+        out[name] = t
+    return out
+
+
+def _seal(pid: PayloadId, tensors: dict[str, torch.Tensor], meta: dict, job_id: str,
+          layout: ShardLayout) -> EncodedPayload:
+    meta = {"format": FORMAT, **pid.to_dict(), "job_id": job_id, "layout": layout.to_dict(), **meta}
+    data = safetensors.torch.save(_unaliased(tensors), metadata={_META_KEY: json.dumps(meta)})
+    return EncodedPayload(data, Stamp(pid, len(data), checksum(data), job_id, layout))
+
+
+def encode_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> EncodedPayload:
+    """Serialize a base shard; fp32 state tensors must be 1-D and of equal length."""
+    shapes = {name: tuple(getattr(state, name).shape) for name in _STATE_TENSORS}
+    if len(set(shapes.values())) != 1 or len(shapes["master"]) != 1:
+        raise ValueError(f"base state tensors must be 1-D of equal length, got {shapes}")
+    tensors = {name: _host(getattr(state, name)) for name in _STATE_TENSORS}
+    for name, t in tensors.items():
+        if t.dtype != torch.float32:
+            raise ValueError(f"base state tensor {name} must be float32, got {t.dtype}")
+    tensors.update({f"rng/{name}": _host(t) for name, t in state.rng.items()})
+    meta = {"adam_steps": state.adam_steps, "schedule": state.schedule, "loss_scaler": state.loss_scaler,
+            "data_position": state.data_position, "segments": state.segments, "rng": sorted(state.rng)}
+    return _seal(PayloadId.base(state.version), tensors, meta, job_id, layout)
+
+
+def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLayout) -> EncodedPayload:
+    """Serialize N consecutive steps' records as one diff batch."""
+    if not steps:
+        raise ValueError("a diff batch needs at least one step")
+    first = steps[0].step
+    for i, s in enumerate(steps):
+        if s.step != first + i:
+            raise ValueError(f"diff batch steps must be consecutive, got {[x.step for x in steps]}")
+    tensors: dict[str, torch.Tensor] = {}
+    records = []
+    for s in steps:
+        tensors.update({f"s{s.step}/{name}": _host(t) for name, t in s.tensors.items()})
+        records.append({"step": s.step, "lr": s.lr, "adam_step": s.adam_step, "skipped": bool(s.skipped),
+                        "header": s.header, "tensors": sorted(s.tensors)})
+    return _seal(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout)
+
+
+def read_metadata(data: bytes, source: str) -> dict:
+    """The MegaTier metadata embedded in safetensors bytes (header only; tensors are not read)."""
+    try:
+        if len(data) < 8:
+            raise ValueError("shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", data[:8])
+        if n > len(data) - 8:
+            raise ValueError(f"header length {n} exceeds the {len(data)}-byte payload")
+        header = json.loads(bytes(data[8:8 + n]))
+        meta = json.loads(header["__metadata__"][_META_KEY])
+        if not isinstance(meta, dict):
+            raise ValueError("metadata is not a JSON object")
+    except (ValueError, KeyError, TypeError, struct.error) as e:
+        raise PayloadError(f"{source}: not a MegaTier safetensors payload ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise PayloadError(f"{source}: payload format {meta.get('format')} is not {FORMAT}; it was written by "
+                           f"another MegaTier version")
+    return meta
+
+
+def _open(payload: EncodedPayload, kind: str, job_id: str, layout: ShardLayout,
+          source: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Metadata and tensors of ``payload`` after checking who and what it is."""
+    stamp = payload.stamp
+    meta = read_metadata(payload.data, source)
+    try:
+        pid, owner, shard = PayloadId.from_dict(meta), meta["job_id"], ShardLayout.from_dict(meta["layout"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise PayloadError(f"{source}: payload metadata lacks its identity ({type(e).__name__}: {e})") from e
+    if pid != stamp.pid or pid.kind != kind:
+        raise PayloadError(f"{source}: holds {pid}, expected a {kind} matching its stamp ({stamp.pid})")
+    for what, got, stamped, want in (("job", owner, stamp.job_id, job_id), ("layout", shard, stamp.layout, layout)):
+        if got != want or stamped != want:
+            raise PayloadError(f"{source}: belongs to {what} {got} (stamp: {stamped}), expected {want}; it is "
+                               f"another run's or rank's checkpoint, check checkpoint.job_id and the layout")
+    try:
+        tensors = safetensors.torch.load(payload.data)
+    except Exception as e:  # safetensors raises its own SafetensorError (not importable as a stable name)
+        raise PayloadError(f"{source}: tensor data unreadable ({e})") from e
+    return meta, tensors
+
+
+def decode_base(payload: EncodedPayload, *, job_id: str, layout: ShardLayout, source: str) -> BaseState:
+    """Rebuild a BaseState; raises PayloadError naming ``source`` on any mismatch."""
+    meta, tensors = _open(payload, BASE, job_id, layout, source)
+    try:
+        rng = {name: tensors[f"rng/{name}"] for name in meta["rng"]}
+        return BaseState(payload.stamp.pid.version, int(meta["adam_steps"]), tensors["master"], tensors["exp_avg"],
+                         tensors["exp_avg_sq"], meta["schedule"], meta["loss_scaler"], meta["data_position"],
+                         rng, meta["segments"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise PayloadError(f"{source}: base payload lacks {e}") from e
+
+
+def decode_diff_batch(payload: EncodedPayload, *, job_id: str, layout: ShardLayout,
+                      source: str) -> list[DiffStep]:
+    """Rebuild the batch's DiffSteps in step order; raises PayloadError naming ``source`` on any mismatch."""
+    meta, tensors = _open(payload, DIFF, job_id, layout, source)
+    pid = payload.stamp.pid
+    try:
+        steps = [DiffStep(int(r["step"]), float(r["lr"]), int(r["adam_step"]), bool(r["skipped"]),
+                          {name: tensors[f"s{r['step']}/{name}"] for name in r["tensors"]}, r["header"])
+                 for r in meta["steps"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise PayloadError(f"{source}: diff batch lacks {e}") from e
+    if [s.step for s in steps] != list(range(pid.first, pid.last + 1)):
+        raise PayloadError(f"{source}: steps {[s.step for s in steps]} do not cover {pid}")
+    return steps

@@ -1,0 +1,187 @@
+"""Tier-3 phase 1: a background thread per rank that uploads payloads and writes done markers.
+
+For each submitted payload, in submission order: upload the object, call the
+``t3.before_marker`` fault point, then write the rank's done marker (see
+:mod:`megatier.checkpoint.commit`). Store failures are retried with
+exponential backoff and jitter for as long as the uploader is open: when Tier-3
+is down, training goes on, the queue grows (``pending_bytes``; the caller
+enforces its memory budget) and ``status()`` reports the last error.
+
+An exception that is not a store failure (a bug, or a fault hook simulating a
+crash) stops the worker; the unit it was on stays without a marker, so it is
+never committed, and every later call raises :class:`UploaderError`.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar
+
+from megatier.checkpoint.commit import DoneMarker, marker_key, object_key
+from megatier.checkpoint.naming import FaultHook, PayloadId
+from megatier.checkpoint.payload import EncodedPayload
+from megatier.checkpoint.store import ObjectStore, RetryPolicy, StoreError
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+T3_BEFORE_MARKER = "t3.before_marker"
+
+
+class UploaderError(RuntimeError):
+    """The upload worker stopped on an unexpected error; the message names the rank and the cause."""
+
+
+class _Stopped(Exception):
+    """Raised inside the worker when close() abandons the current payload."""
+
+
+@dataclass(frozen=True)
+class UploaderStatus:
+    """A snapshot for metrics and warnings (t3 lag, held bytes, failing remote)."""
+
+    pending: tuple[PayloadId, ...]
+    pending_bytes: int
+    last_uploaded: Optional[PayloadId]
+    failures: int
+    last_error: Optional[str]
+
+
+class Uploader:
+    """Uploads rank ``rank``'s payloads to ``store`` in order; start with construction, end with close()."""
+
+    def __init__(self, store: ObjectStore, job_id: str, rank: int, *, incarnation: str,
+                 backoff: RetryPolicy = RetryPolicy(), fault_hook: Optional[FaultHook] = None):
+        # ``incarnation`` must be the same on every rank of one launch and differ between launches
+        # (e.g. a token broadcast from rank 0 at start-up): a commit never mixes two incarnations' markers.
+        # Only backoff's delays are used: the uploader never gives up on a payload while it is open.
+        self.store = store
+        self.job_id = job_id
+        self.rank = rank
+        self.backoff = backoff
+        self.fault_hook = fault_hook
+        if not incarnation:
+            raise ValueError("incarnation must be a non-empty token shared by every rank of this launch")
+        self.incarnation = incarnation
+        self._rng = random.Random()
+        self._queue: collections.deque[EncodedPayload] = collections.deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._abort = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._stopped = False  # the worker thread has exited
+        self._last: Optional[PayloadId] = None
+        self._failures = 0
+        self._last_error: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, name=f"megatier-t3-upload-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def submit(self, payload: EncodedPayload) -> None:
+        """Queue ``payload`` (its bytes are held until uploaded); never blocks on Tier-3."""
+        if payload.stamp.rank != self.rank or payload.stamp.job_id != self.job_id:
+            raise ValueError(f"payload of rank {payload.stamp.rank} in job {payload.stamp.job_id!r} submitted "
+                             f"to the uploader of rank {self.rank} in job {self.job_id!r}")
+        with self._cv:
+            self._raise_if_failed()
+            if self._closing:
+                raise UploaderError(f"uploader of rank {self.rank} is closed; {payload.stamp.pid} was not queued")
+            self._queue.append(payload)
+            self._cv.notify_all()
+
+    def status(self) -> UploaderStatus:
+        """Queue, held bytes, last uploaded unit and failures, for metrics and warnings."""
+        with self._cv:
+            return UploaderStatus(tuple(p.stamp.pid for p in self._queue), sum(p.stamp.size for p in self._queue),
+                                  self._last, self._failures, self._last_error)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until every queued payload is uploaded and marked; False on timeout or after close()."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue and not self._stopped:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+            self._raise_if_failed()
+            return not self._queue
+
+    def close(self, timeout: Optional[float] = None) -> list[PayloadId]:
+        """Drain for up to ``timeout`` seconds, then stop; returns the units left un-uploaded."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        try:
+            self.wait(timeout)
+        except UploaderError:
+            pass  # close() reports what is left; the cause stays available through wait()/submit()
+        self._abort.set()
+        self._thread.join(timeout=5.0)
+        with self._cv:
+            return [p.stamp.pid for p in self._queue]
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise UploaderError(f"Tier-3 uploader of rank {self.rank} stopped: {self._error!r}") from self._error
+
+    def _run(self) -> None:
+        try:
+            self._work()
+        finally:
+            with self._cv:
+                self._stopped = True
+                self._cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if not self._queue or self._abort.is_set():
+                    return
+                payload = self._queue[0]
+            try:
+                self._upload(payload)
+            except _Stopped:
+                return
+            except BaseException as e:  # a fault hook's simulated crash or a bug: stop, keep the cause
+                with self._cv:
+                    self._error = e
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._queue.popleft()
+                self._last = payload.stamp.pid
+                self._cv.notify_all()
+
+    def _upload(self, payload: EncodedPayload) -> None:
+        stamp = payload.stamp
+        key = object_key(stamp)
+        self._persist(lambda: self.store.put(key, payload.data), f"uploading {stamp.pid} of rank {self.rank}")
+        if self.fault_hook is not None:
+            self.fault_hook(T3_BEFORE_MARKER, stamp.pid.version)
+        marker = DoneMarker(key, stamp, self.incarnation).to_json()
+        self._persist(lambda: self.store.put(marker_key(stamp.pid, self.rank), marker),
+                      f"writing the done marker of {stamp.pid} of rank {self.rank}")
+
+    def _persist(self, action: Callable[[], T], what: str) -> T:
+        """Run ``action`` until it succeeds, backing off between store failures; _Stopped on close()."""
+        attempt = 0
+        while True:
+            if self._abort.is_set():
+                raise _Stopped()
+            try:
+                return action()
+            except StoreError as e:
+                with self._cv:
+                    self._failures += 1
+                    self._last_error = f"{what}: {e}"
+                if attempt % 10 == 0:
+                    log.warning("Tier-3 %s failed (attempt %d), retrying: %s", what, attempt + 1, e)
+                if self._abort.wait(self.backoff.delay(attempt, self._rng)):
+                    raise _Stopped()
+                attempt += 1
