@@ -13,7 +13,7 @@ install: $(STAMP)
 
 # Re-runs only when setup.py or the native sources change. torch is pinned to
 # the CPU build first; --no-build-isolation then builds megatier._C against it.
-$(STAMP): setup.py $(wildcard megatier/csrc/*)
+$(STAMP): setup.py $(wildcard megatier/csrc/*) $(wildcard megatier/csrc/cuda/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PIP) install --quiet torch==2.13.0

@@ -155,6 +155,9 @@ class CheckpointConfig:
     job_id: str = "${logging.name}"
     # Host memory that checkpoint payloads awaiting transfer may hold before the loop blocks.
     memory_budget_gib: float = 8.0
+    # With traces of this job in some tier but no complete base for every rank, start from step 0
+    # instead of stopping with an error (a first launch, with no traces at all, always starts fresh).
+    allow_fresh_start: bool = False
 
 
 @dataclass

@@ -1,11 +1,16 @@
 """The Trainer: builds every component from its own sub-config and runs the loop.
 
     trainer = Trainer(cfg)   # process groups, data, model, optimizer, metrics
-    trainer.train()          # steps 1..train.iters, periodic validation
-    trainer.close()          # final summary record with state_digest, teardown
+    trainer.train()          # restore (if checkpointing), steps up to train.iters, validation
+    trainer.close()          # drain checkpoints, final summary record with state_digest, teardown
 
 Step s (1-based) reads global batch s, runs forward/backward over its
 micro-batches and applies optimizer step s; afterwards the state is "version s".
+
+Checkpointing plugs in through ``self.checkpointer`` (None when disabled): any
+object with ``restore() -> int`` (the step the state now is at), ``after_step(step)
+-> dict`` (metrics merged into the step's record) and ``close()``. The tiered
+CheckpointManager is one; the overhead benchmark swaps in baselines.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from megatier.checkpoint.context import build_context
+from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.shard import ShardAccess
 from megatier.config import Config, validate
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
@@ -62,6 +70,7 @@ class Trainer:
         self._build_optimizer()
         self.step = 0
         self.logger = self._build_logger()
+        self.checkpointer = self._build_checkpointer()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -100,7 +109,8 @@ class Trainer:
         self.vocab_size = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, ps.tp)
         spec = StageSpec(stage_layers(m.num_layers, ps.pp, ps.pp_rank), ps.is_first_stage, ps.is_last_stage,
                          ps.tp_rank, ps.tp)
-        gen = torch.Generator(device=self.device).manual_seed(derive_seed(self.cfg.train.seed, "dropout", ps.dp_rank, ps.pp_rank))
+        # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
+        self.dropout_generator = gen = torch.Generator(device=self.device)
         model = GPTStage(m, self.vocab_size, spec, tp_group=ps.tp_group, dropout_generator=gen)
         init_weights(model, self.cfg.train.seed)
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
@@ -121,6 +131,14 @@ class Trainer:
         self.optimizer = DistributedAdamW(o, self.layout, self.param_flat, self.grads, dp_rank=self.ps.dp_rank,
                                           dp_group=self.ps.dp_group, norm_group=self.ps.world_group,
                                           schedule=schedule, scaler=scaler)
+
+    def _build_checkpointer(self) -> Optional[CheckpointManager]:
+        c = self.cfg.checkpoint
+        if not c.enabled:
+            return None
+        ctx = build_context(c, self.ps, timeout_s=self.cfg.parallel.timeout_s)
+        shard = ShardAccess(self.optimizer, self.cfg.train.global_batch_size)
+        return CheckpointManager(ctx, shard, allow_fresh_start=c.allow_fresh_start)
 
     def _build_logger(self):
         if self.ps.rank != 0:
@@ -163,6 +181,8 @@ class Trainer:
         """Run training step ``step`` and return its metrics record."""
         start = time.perf_counter()
         self.model.train()
+        ps = self.ps
+        self.dropout_generator.manual_seed(derive_seed(self.cfg.train.seed, "dropout", step, ps.dp_rank, ps.pp_rank))
         self.grads.zero()
         scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
         local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
@@ -189,12 +209,27 @@ class Trainer:
 
     # ---- the loop -----------------------------------------------------------------------------
 
+    def restore(self) -> None:
+        """Let the checkpointer recover the newest consistent state; logs its recovery record."""
+        if self.checkpointer is None:
+            return
+        self.step = self.checkpointer.restore()
+        record = getattr(self.checkpointer, "recovery", None)
+        if record is not None:
+            self.logger.log({"step": self.step, **record})
+
     def train(self) -> None:
         t = self.cfg.train
+        if self.step == 0:
+            self.restore()
         while self.step < t.iters:
             step = self.step + 1
             record = self.train_step(step)
             self.step = step
+            if self.checkpointer is not None:
+                start = time.perf_counter()
+                record.update(self.checkpointer.after_step(step))
+                record["ckpt_stall_ms"] = 1000.0 * (time.perf_counter() - start)
             if step % t.eval_interval == 0 or step == t.iters:
                 val = self.evaluate()
                 if val is not None:
@@ -210,7 +245,9 @@ class Trainer:
         return combined_digest(local, self.ps.checkpoint_group)
 
     def close(self) -> dict:
-        """Write the summary record (with state_digest), shut down the sinks and process groups."""
+        """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         digest = self.state_digest()
         summary = {"step": self.step, "event": "summary", "state_digest": digest}
         last = getattr(self, "last_record", None)

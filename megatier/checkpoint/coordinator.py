@@ -1,0 +1,127 @@
+"""The coordinator: global rank 0's background thread for Tier-3 phase 2 and Tier-3 reclamation.
+
+Commits and reclamation run in this one thread so a unit is never committed
+while its objects are being deleted (see :class:`~megatier.checkpoint.commit.Committer`).
+The thread polls the store: it commits every unit whose done markers are all
+in, then, once the training loop has published a higher watermark, deletes
+what the watermark made obsolete. Store failures are logged and retried on the
+next poll; the loop never waits on this thread except at :meth:`close`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Optional
+
+from megatier.checkpoint.commit import Committer, list_units
+from megatier.checkpoint.naming import BASE, FaultHook
+from megatier.checkpoint.reclaim import reclaim_remote
+from megatier.checkpoint.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+T3_AFTER_COMMIT = "t3.after_commit_before_watermark"
+
+
+def chain_end(bases: set[int], diffs: set[tuple[int, int]]) -> Optional[int]:
+    """Newest step reachable from some base through a contiguous chain of diff batches; None without a base."""
+    by_first = {first: last for first, last in diffs}
+    best = None
+    for b in bases:
+        end = b
+        while end + 1 in by_first:
+            end = by_first[end + 1]
+        best = end if best is None else max(best, end)
+    return best
+
+
+class Coordinator:
+    """Commits complete units on Tier-3 and reclaims behind the watermark (rank 0 only)."""
+
+    def __init__(self, store: ObjectStore, job_id: str, world_size: int, *, keep_bases: int,
+                 fault_hook: Optional[FaultHook] = None, poll_s: float = 0.2):
+        self.store = store
+        self.world_size = world_size
+        self.keep_bases = keep_bases
+        self.fault_hook = fault_hook
+        self.poll_s = poll_s
+        self._committer = Committer(store, job_id, fault_hook=fault_hook)
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._bases: set[int] = set()
+        self._diffs: set[tuple[int, int]] = set()
+        self._watermark: Optional[int] = None
+        self._reclaimed_at: Optional[int] = None
+        self.last_error: Optional[str] = None
+        self._thread = threading.Thread(target=self._run, name="megatier-t3-coordinator", daemon=True)
+        self._thread.start()
+
+    # ---- what the loop reads -----------------------------------------------------------------
+
+    def newest_base(self) -> Optional[int]:
+        """Newest committed base this thread has seen (or written)."""
+        with self._lock:
+            return max(self._bases) if self._bases else None
+
+    def recovery_point(self) -> Optional[int]:
+        """The step a rack failure would recover to now: committed base + committed contiguous diffs."""
+        with self._lock:
+            return chain_end(self._bases, self._diffs)
+
+    def set_watermark(self, watermark: int) -> None:
+        """Publish a watermark every rank has learned; reclamation follows on the next poll."""
+        with self._lock:
+            if self._watermark is None or watermark > self._watermark:
+                self._watermark = watermark
+        self._wake.set()
+
+    # ---- the thread ---------------------------------------------------------------------------
+
+    def poll_once(self) -> None:
+        """One round: learn what is committed, commit what is complete, reclaim if the watermark moved."""
+        for record in self._committer.commit_pending(self.world_size):
+            if self.fault_hook is not None:
+                self.fault_hook(T3_AFTER_COMMIT, record.pid.version)
+        units = list_units(self.store)
+        bases = {p.version for p, u in units.items() if u.committed and p.kind == BASE}
+        diffs = {(p.first, p.last) for p, u in units.items() if u.committed and p.kind != BASE}
+        with self._lock:
+            self._bases, self._diffs = bases, diffs
+            watermark = self._watermark
+        if watermark is not None and watermark != self._reclaimed_at and watermark in bases:
+            doomed = reclaim_remote(self.store, watermark, self.keep_bases)
+            if doomed:
+                log.info("Tier-3 reclaimed %d units behind watermark %d", len(doomed), watermark)
+            self._reclaimed_at = watermark
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+                self.last_error = None
+            except StoreError as e:
+                if self.last_error is None:
+                    log.warning("Tier-3 commit/reclaim at %s failed, retrying: %s", self.store.url, e)
+                self.last_error = str(e)
+            except Exception as e:  # a corrupt marker from another job, etc.: keep training, say why
+                log.error("Tier-3 coordinator error (commits paused until it clears): %r", e)
+                self.last_error = repr(e)
+            self._wake.wait(self.poll_s)
+            self._wake.clear()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread, then commit once more so units completed at the end are not left pending."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self.poll_once()
+                return
+            except StoreError as e:
+                if time.monotonic() > deadline:
+                    log.warning("final Tier-3 commit failed, units stay uncommitted: %s", e)
+                    return
+                time.sleep(0.5)

@@ -1,0 +1,133 @@
+"""ShardAccess: the one place where the checkpoint system touches the training state.
+
+Save side: capture a base (the optimizer shard and the scalars of its version)
+and build a step's diff record from the gradient the optimizer just consumed.
+Recovery side: load a base into the optimizer, replay diff batches with the
+fused kernel, then publish the parameters once.
+
+What makes the state at step s a pure function of (base V, diffs V+1..s):
+the data position and the LR are functions of the step; the dropout generator
+is re-seeded from (seed, step) every step by the trainer; the loss scaler's
+evolution is replayed from each step's skipped flag; Adam's bias-correction
+count is recorded per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from megatier import ops
+from megatier.checkpoint.payload import BaseState, DiffStep
+from megatier.config import DiffStreamConfig
+from megatier.ops.compression import CompressedRecord
+
+
+def tiling_segments(segments, size: int) -> list[tuple[int, int]]:
+    """(offset, numel) pieces covering [0, size) in order: the shard's parameter parts plus padding gaps."""
+    out, pos = [], 0
+    for seg in sorted(segments, key=lambda s: s.shard_offset):
+        if seg.shard_offset > pos:
+            out.append((pos, seg.shard_offset - pos))
+        out.append((seg.shard_offset, seg.numel))
+        pos = seg.shard_offset + seg.numel
+    if pos < size:
+        out.append((pos, size - pos))
+    return [p for p in out if p[1] > 0]
+
+
+@dataclass
+class ShardAccess:
+    """Reads and writes one rank's optimizer shard (a DistributedAdamW) for the checkpoint system."""
+
+    optimizer: object  # DistributedAdamW: master, exp_avg, exp_avg_sq, last_grad, last_lr, ...
+    global_batch_size: int
+
+    def __post_init__(self) -> None:
+        o = self.optimizer
+        self.segments = tiling_segments(o.shard_segments, o.master.numel())
+
+    @property
+    def numel(self) -> int:
+        return self.optimizer.master.numel()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full fp32 shard state (master + both moments): a base's tensor payload."""
+        return 3 * 4 * self.numel
+
+    # ---- save side ------------------------------------------------------------------------
+
+    def capture_base(self, version: int, snapshot: bool = True) -> BaseState:
+        """The shard at ``version``; ``snapshot`` copies the tensors so training may go on meanwhile."""
+        o = self.optimizer
+        take = (lambda t: t.detach().to("cpu", copy=True)) if snapshot else (lambda t: t.detach().cpu())
+        scaler = o.scaler.state_dict() if o.scaler is not None else None
+        return BaseState(
+            version=version, adam_steps=o.adam_steps,
+            master=take(o.master), exp_avg=take(o.exp_avg), exp_avg_sq=take(o.exp_avg_sq),
+            schedule=o.schedule.state_dict(), loss_scaler=scaler,
+            data_position={"step": version, "consumed_samples": version * self.global_batch_size},
+            rng={"torch_cpu": torch.get_rng_state()},
+            segments=[s.to_dict() for s in o.shard_segments],
+        )
+
+    def consumed(self) -> tuple[Optional[torch.Tensor], float, int, bool]:
+        """(gradient, lr, adam step count, skipped) of the step just taken.
+
+        The gradient is the fresh shard tensor the optimizer consumed and will not
+        modify again, so handing it to another thread needs no copy.
+        """
+        o = self.optimizer
+        return (None if o.last_skipped else o.last_grad.detach()), o.last_lr, o.adam_steps, o.last_skipped
+
+    def compress(self, step: int, grad: Optional[torch.Tensor], lr: float, adam_step: int, skipped: bool,
+                 cfg: DiffStreamConfig) -> tuple[DiffStep, int]:
+        """One step's diff record from :meth:`consumed`'s values; returns it and its tensor bytes."""
+        if skipped:
+            # Nothing was applied (fp16 overflow); the flag alone replays it, including the scaler update.
+            return DiffStep(step, lr, adam_step, True, {}, {}), 0
+        if grad.device.type != "cpu":
+            grad = grad.cpu()
+        record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio, cfg.small_threshold,
+                                       seed=step)
+        tensors = {k: v.contiguous() for k, v in record.tensors.items()}
+        return DiffStep(step, lr, adam_step, False, tensors, record.header), record.nbytes
+
+    # ---- recovery side --------------------------------------------------------------------
+
+    def load_base(self, base: BaseState) -> None:
+        """Overwrite the shard with ``base`` (tensors, Adam count, loss scaler); parameters come later."""
+        o = self.optimizer
+        for name in ("master", "exp_avg", "exp_avg_sq"):
+            src, dst = getattr(base, name), getattr(o, name)
+            if src.shape != dst.shape:
+                raise ValueError(f"base v{base.version} has {name} of shape {tuple(src.shape)}, this rank's shard "
+                                 f"is {tuple(dst.shape)}; the checkpoint was written for another model or layout")
+            dst.copy_(src)
+        o.adam_steps = base.adam_steps
+        if o.scaler is not None:
+            if base.loss_scaler is None:
+                raise ValueError(f"base v{base.version} has no loss-scaler state but this run uses fp16; "
+                                 f"resume with the precision the checkpoint was written with")
+            o.scaler.load_state_dict(base.loss_scaler)
+
+    def replay(self, steps: Sequence[DiffStep]) -> None:
+        """Apply consecutive diff steps with one fused ``adamw_replay`` pass (one batch per call)."""
+        o = self.optimizer
+        grads: list[Optional[CompressedRecord]] = [
+            None if s.skipped else CompressedRecord(dict(s.header), dict(s.tensors)) for s in steps]
+        c = o.cfg
+        ops.adamw_replay(o.master, o.exp_avg, o.exp_avg_sq, grads, [s.adam_step for s in steps],
+                         [s.lr for s in steps], c.beta1, c.beta2, c.eps, c.weight_decay, o.decay_ranges,
+                         skipped=[s.skipped for s in steps])
+        if steps:
+            o.adam_steps = steps[-1].adam_step
+        if o.scaler is not None:
+            for s in steps:
+                o.scaler.update(s.skipped)
+
+    def publish(self) -> None:
+        """After loading and replaying: copy master into the model parameters on every dp rank."""
+        self.optimizer.publish_params()
