@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 
 class ConfigError(ValueError):
@@ -192,6 +193,16 @@ def register_configs() -> None:
     """Register the schemas so YAML in configs/ is validated against them (struct mode)."""
     cs = ConfigStore.instance()
     cs.store(name="megatier_schema", node=Config)
+
+
+def compose_config(overrides: list[str], config_dir: Optional[str] = None) -> Config:
+    """The Config ``pretrain_gpt.py <overrides>`` would run with, for scripts that drive or measure it."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    config_dir = config_dir or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
 
 
 def _require(ok: bool, message: str) -> None:

@@ -16,6 +16,8 @@ Points (where the crash lands, what it proves):
   t3.after_commit_before_watermark     committed on Tier-3, the watermark not yet advanced
   gc.mid_delete                        reclamation interrupted between two deletions
   replay.mid_batch                     recovery killed while replaying the diff chain
+  train.step_end                       the training process dies after step S and its checkpoint hand-off:
+                                       how failure_drill.py kills a node's processes at a known step
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ CRASH_POINTS = (
     "t3.after_commit_before_watermark",
     "gc.mid_delete",
     "replay.mid_batch",
+    "train.step_end",
 )
 
 

@@ -83,7 +83,7 @@ class LocalCluster:
     """N torchrun agents on this host, each in its own session so signals reach it only through us."""
 
     def __init__(self, nodes: int, procs_per_node: int, script_args: list[str], *, port: Optional[int] = None,
-                 max_restarts: int = 0):
+                 max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None):
         if nodes < 1 or procs_per_node < 1:
             raise ValueError(f"--nodes {nodes} and --procs-per-node {procs_per_node} must be >= 1")
         if not script_args:
@@ -93,22 +93,29 @@ class LocalCluster:
         self.port = port or free_port()
         self.run_id = f"megatier-{os.getpid()}-{self.port}"
         self.max_restarts = max_restarts
+        self.node_env = node_env or {}  # extra environment of node i's agent and workers (fault drills)
         self.agents: list[subprocess.Popen] = []
 
     def start(self) -> None:
         for i in range(self.nodes):
             cmd = agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node, node_rank=i,
                                 port=self.port, run_id=self.run_id, max_restarts=self.max_restarts)
-            env = dict(os.environ, MEGATIER_NODE_NAME=f"node{i}")
+            env = dict(os.environ, **self.node_env.get(i, {}), MEGATIER_NODE_NAME=f"node{i}")
             self.agents.append(subprocess.Popen(cmd, env=env, start_new_session=True))
 
-    def wait(self, *, fail_grace_s: float, poll_s: float = 0.2) -> int:
-        """Wait for every agent; returns the worst exit status."""
+    def wait(self, *, fail_grace_s: float, poll_s: float = 0.2, timeout_s: Optional[float] = None) -> int:
+        """Wait for every agent; returns the worst exit status (124 if ``timeout_s`` ran out first)."""
         failed_at = None
+        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
         while True:
             codes = [a.poll() for a in self.agents]
             if all(c is not None for c in codes):
                 return max(exit_status(c) for c in codes)
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"launch_local_cluster: still running after {timeout_s:.0f}s; stopping every node",
+                      file=sys.stderr)
+                self.stop()
+                return 124
             if failed_at is None and any(c not in (None, 0) for c in codes):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > fail_grace_s:

@@ -287,18 +287,25 @@ def failure_class(served: dict[tuple[int, PayloadId], tuple[str, int]], tier1_pr
 
 def recovery_record(consensus: Consensus, served: dict[tuple[int, PayloadId], tuple[str, int]],
                     moved: dict[str, int], fallbacks: list[str], *, times: list[tuple[float, float, float]],
-                    stale_removed: int, tier1_present: bool, last_step: Optional[int]) -> dict:
+                    stale_removed: int, tier1_present: bool, last_step: Optional[int],
+                    rank_nodes: Optional[list[str]] = None) -> dict:
     """The metrics record of a recovery; ``served[(rank, unit)] = (tier, bytes)`` of the pass that succeeded,
     ``moved`` the verified bytes per tier over all passes, ``times`` each rank's (consensus, rollback, replay):
-    the record reports the slowest rank, since the job resumes when the last rank does."""
+    the record reports the slowest rank, since the job resumes when the last rank does.
+    ``source_tiers`` counts ranks by where their base came from; ``rank_tiers[r]`` lists every tier
+    rank r's units (base and diffs) came from, next to ``rank_nodes[r]``, the node rank r ran on."""
     source_tiers = {TIER1: 0, TIER2: 0, TIER3: 0}
-    for (_, pid), (tier, _) in served.items():
+    per_rank: dict[int, set[str]] = {}
+    for (rank, pid), (tier, _) in served.items():
+        per_rank.setdefault(rank, set()).add(tier)
         if pid == PayloadId.base(consensus.version):
             source_tiers[tier] += 1
     return {
         "event": "recovery",
         "failure_class": failure_class(served, tier1_present),
         "source_tiers": source_tiers,
+        "rank_tiers": [sorted(per_rank.get(r, ())) for r in range(max(per_rank, default=-1) + 1)],
+        "rank_nodes": list(rank_nodes) if rank_nodes is not None else None,
         "version": consensus.version,
         "end": consensus.end,
         "t_consensus_s": max(t[0] for t in times),

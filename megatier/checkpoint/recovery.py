@@ -391,7 +391,8 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     ledger = fetcher.ledger
     record = recovery_record(consensus, ledger.served, ledger.moved, ledger.fallbacks,
                              times=[f["times"] for f in final], stale_removed=sum(len(f["deleted"]) for f in final),
-                             tier1_present=any(n.copies for n in nodes.values()), last_step=last_step)
+                             tier1_present=any(n.copies for n in nodes.values()), last_step=last_step,
+                             rank_nodes=rank_nodes)
     if ctx.rank == 0:
         log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed", record["version"],
                  record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),

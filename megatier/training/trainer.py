@@ -26,6 +26,7 @@ from megatier.checkpoint.context import build_context
 from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.shard import ShardAccess
 from megatier.config import Config, validate
+from megatier.faults import FaultInjector
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
@@ -42,6 +43,7 @@ from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_
 from megatier.seeding import derive_seed
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 
+TRAIN_STEP_END = "train.step_end"  # crash point after a step and its checkpoint hand-off
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -70,6 +72,7 @@ class Trainer:
         self._build_optimizer()
         self.step = 0
         self.logger = self._build_logger()
+        self.fault = FaultInjector.from_env(self.ps.rank)
         self.checkpointer = self._build_checkpointer()
 
     # ---- construction -------------------------------------------------------------------------
@@ -136,7 +139,7 @@ class Trainer:
         c = self.cfg.checkpoint
         if not c.enabled:
             return None
-        ctx = build_context(c, self.ps, timeout_s=self.cfg.parallel.timeout_s)
+        ctx = build_context(c, self.ps, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault)
         shard = ShardAccess(self.optimizer, self.cfg.train.global_batch_size)
         return CheckpointManager(ctx, shard, allow_fresh_start=c.allow_fresh_start)
 
@@ -237,6 +240,7 @@ class Trainer:
             self.logger.log(record)
             self.logger.progress(step, record["loss"], record["tokens_per_s"])
             self.last_record = record
+            self.fault.hit(TRAIN_STEP_END, step)
 
     def state_digest(self) -> str:
         """xxh64 over every rank's full training state, combined in rank order."""

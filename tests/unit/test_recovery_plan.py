@@ -204,7 +204,8 @@ def test_failure_class_and_record():
     c = run(copies([0, 1], [B(8), D(9, 10)]))
     served = {(0, B(8)): (TIER1, 10), (1, B(8)): (TIER3, 12), (0, D(9, 10)): (TIER1, 3), (1, D(9, 10)): (TIER2, 3)}
     rec = recovery_record(c, served, {TIER1: 13, TIER2: 3, TIER3: 12}, ["x"], times=[(1, 2, 3), (4, 0, 1)],
-                          stale_removed=2, tier1_present=True, last_step=13)
+                          stale_removed=2, tier1_present=True, last_step=13, rank_nodes=["n0", "n1"])
+    assert rec["rank_tiers"] == [[TIER1], [TIER2, TIER3]] and rec["rank_nodes"] == ["n0", "n1"]
     assert rec["source_tiers"] == {TIER1: 1, TIER2: 0, TIER3: 1} and rec["failure_class"] == "mixed"
     assert (rec["version"], rec["end"], rec["steps_lost"], rec["last_step"]) == (8, 10, 3, 13)
     assert (rec["t_consensus_s"], rec["t_rollback_s"], rec["t_replay_s"]) == (4, 2, 3)
