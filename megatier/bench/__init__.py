@@ -1,0 +1,1 @@
+"""Benchmark helpers (baseline checkpointers for scripts/bench_overhead.py)."""
