@@ -1,5 +1,6 @@
 # Two commands do everything from a bare clone (Python 3.11 + pip):
-#   make demo   set up, then train `small` on the default corpus
+#   make demo   set up, then train `small` on the default corpus on 2 simulated
+#               nodes, kill one node mid-run and recover (a failure drill)
 #   make test   set up, then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,8 +22,12 @@ $(STAMP): setup.py $(wildcard megatier/csrc/*) $(wildcard megatier/csrc/cuda/*)
 	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
 	touch $@
 
+# Each demo gets a fresh directory: a drill never reuses an earlier job's checkpoints.
+DEMO_DIR ?= runs/demo_drill/$(shell date +%Y%m%d-%H%M%S)
+
 demo: install
-	$(PY) pretrain_gpt.py experiment=demo
+	$(PY) scripts/failure_drill.py --nodes 2 --procs-per-node 1 --fail node --at-step 245 \
+		--work-dir $(DEMO_DIR) -- experiment=demo
 
 test: install
 	$(PY) -m pytest -n 2 tests

@@ -120,6 +120,9 @@ def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None) -> in
     """Run the job once on the simulated cluster; output goes to ``<work>/<log_name>.log``."""
     log_path = os.path.join(job.work, f"{log_name}.log")
     script = [str(REPO / "pretrain_gpt.py"), *job.overrides]
+    # Progress on stderr: the launches take minutes and their own output goes to the log.
+    print(f"failure_drill: {log_name} on {args.nodes} x {args.procs_per_node} processes (log {log_path})",
+          file=sys.stderr, flush=True)
     with open(log_path, "w") as log:
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1)  # the agents inherit the drill's stdout/stderr

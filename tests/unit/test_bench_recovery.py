@@ -112,7 +112,7 @@ def test_classes_table_quotes_the_seeds_table3(tmp_path):
     lines = text.splitlines()
     assert [ln.split()[0] for ln in lines[2:5]] == ["software", "node", "rack"]
     assert "4.5 / 4.3 / 8.8 s" in lines[2] and "9.6 / 8.8 / 18.4 s" in lines[3] and "18.4 / 5.5 / 23.9 s" in lines[4]
-    assert "5.8x" in lines[2]  # (3.0 + 17 x 0.5) / 2.0
+    assert "3.8x" in lines[2]  # (3.0 + 17 x 0.5) / (2.0 + 2 x 0.5): both back at the failure step
     assert "CheckFreq 17.8 + 42.9 = 60.5 s" in text and "Gemini" in text and "DataStates-LLM" in text
 
 
@@ -120,7 +120,7 @@ def test_classes_table_quotes_the_seeds_table3(tmp_path):
 
 def test_quick_defaults_and_overrides_after_the_separator():
     args = br.parse_args(["--quick", "--part", "replay", "--", "model=small", "optim.lr=1e-3"])
-    assert args.chains == [5, 10] and args.repeats == 1 and args.at_step == 7
+    assert args.chains == [5, 10] and args.repeats == 1 and args.at_step == 9
     assert args.overrides == ["model=small", "optim.lr=1e-3"]
     ours = br.replay_overrides(args, 12, "/tmp/x")
     assert ours.index("model=tiny") < ours.index("model=small")  # the user's override wins
@@ -222,8 +222,8 @@ def test_classes_part_with_a_fake_drill(tmp_path, corpus_prefix, fake_drill):
     assert [r["class"] for r in classes["rows"]] == ["software", "node", "rack"]
     for r in classes["rows"]:
         assert r["megatier_s"] == pytest.approx(0.6)
-        assert r["baseline_lost_steps"] == 7 and r["step_s"] == 0.25
-        assert r["baseline_s"] == pytest.approx(r["baseline_load_s"] + 7 * 0.25)
+        assert r["baseline_lost_steps"] == 9 and r["step_s"] == 0.25
+        assert r["baseline_s"] == pytest.approx(r["baseline_load_s"] + 9 * 0.25)
     assert classes["full_state_bytes"] > 0
 
 
