@@ -106,5 +106,8 @@ def adamw_replay(
 ) -> None:
     """N in-place AdamW steps in one pass; bitwise equal to N ``adamw_step`` calls for fp32 pieces."""
 
+def set_thread_num_threads(n: int) -> bool:
+    """Size of the OpenMP teams the calling thread starts (other threads keep theirs); False without OpenMP."""
+
 def build_info() -> dict:
     """``{"cuda": bool, "openmp": bool, "max_threads": int, "max_topk_chunk": int}``."""

@@ -305,6 +305,7 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
     if final:
         lines.append(f"  final: step {final.get('step')} loss {final.get('loss', float('nan')):.6f} val_loss "
                      f"{_fmt(final.get('val_loss'))} state_digest {final.get('state_digest')} (exit {status})")
+        lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
     if reference is not None:
         same = reference.get("state_digest") == final.get("state_digest")
         rel = abs(final.get("loss", 0.0) - reference["loss"]) / abs(reference["loss"])

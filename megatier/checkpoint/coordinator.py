@@ -18,6 +18,7 @@ from megatier.checkpoint.commit import Committer, list_units
 from megatier.checkpoint.naming import BASE, FaultHook
 from megatier.checkpoint.reclaim import reclaim_remote
 from megatier.checkpoint.store import ObjectStore, StoreError
+from megatier.checkpoint.threads import helper_thread
 
 log = logging.getLogger(__name__)
 T3_AFTER_COMMIT = "t3.after_commit_before_watermark"
@@ -54,7 +55,7 @@ class Coordinator:
         self._watermark: Optional[int] = None
         self._reclaimed_at: Optional[int] = None
         self.last_error: Optional[str] = None
-        self._thread = threading.Thread(target=self._run, name="megatier-t3-coordinator", daemon=True)
+        self._thread = helper_thread(self._run, "megatier-t3-coordinator")
         self._thread.start()
 
     # ---- what the loop reads -----------------------------------------------------------------

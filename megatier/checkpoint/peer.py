@@ -68,6 +68,7 @@ from megatier.checkpoint.local import LocalTier, ReplicaWriter
 from megatier.checkpoint.naming import BASE, DIFF, FaultHook, PayloadId
 from megatier.checkpoint.payload import EncodedPayload, PayloadError, Stamp, verify_payload
 from megatier.checkpoint.store import StoreError
+from megatier.checkpoint.threads import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ class PeerReplicator:
         self._out: list[_Leg] = []
         self._in: list[_Leg] = []
         self._bases_started = 0
-        self._thread = threading.Thread(target=self._run, name=f"megatier-t2-rank{rank}", daemon=True)
+        self._thread = helper_thread(self._run, f"megatier-t2-rank{rank}")
         self._thread.start()
 
     # ---- main thread ----------------------------------------------------------------------------

@@ -29,6 +29,7 @@ from megatier.checkpoint.local import LocalTier
 from megatier.checkpoint.naming import BASE, PayloadId
 from megatier.checkpoint.payload import BaseState, DiffStep, EncodedPayload, ShardLayout, encode_base, encode_diff_batch
 from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.uploader import Uploader
 from megatier.config import DiffStreamConfig
 
@@ -67,7 +68,7 @@ class SaveWorker:
         self.base_bytes = 0  # base payload bytes produced so far
         self.t1_bases: set[int] = set()
         self.t1_diffs: set[tuple[int, int]] = set()
-        self._thread = threading.Thread(target=self._run, name=f"megatier-save-rank{layout.rank}", daemon=True)
+        self._thread = helper_thread(self._run, f"megatier-save-rank{layout.rank}")
         self._thread.start()
 
     # ---- called by the loop -----------------------------------------------------------------

@@ -25,6 +25,7 @@ from megatier.checkpoint.commit import DoneMarker, marker_key, object_key
 from megatier.checkpoint.naming import FaultHook, PayloadId
 from megatier.checkpoint.payload import EncodedPayload
 from megatier.checkpoint.store import ObjectStore, RetryPolicy, StoreError
+from megatier.checkpoint.threads import helper_thread
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ class Uploader:
         self._last: Optional[PayloadId] = None
         self._failures = 0
         self._last_error: Optional[str] = None
-        self._thread = threading.Thread(target=self._run, name=f"megatier-t3-upload-rank{rank}", daemon=True)
+        self._thread = helper_thread(self._run, f"megatier-t3-upload-rank{rank}")
         self._thread.start()
 
     def submit(self, payload: EncodedPayload) -> None:

@@ -139,6 +139,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "exp_avg_sq"_a, "grads"_a, "step_sizes"_a, "bc2_sqrts"_a, "keeps"_a, "skipped"_a, "beta1"_a, "beta2"_a,
         "eps"_a, "decay"_a, "decay_segments"_a, nogil);
   m.def("build_info", &build_info, "How this extension was built");
+  m.def(
+      "set_thread_num_threads",
+      [](int n) {
+        TORCH_CHECK(n >= 1, "set_thread_num_threads: n must be >= 1, got ", n);
+#ifdef _OPENMP
+        // OpenMP's nthreads-var is per thread: this sizes the teams that parallel regions started by the
+        // calling thread (ours and ATen's) get, and leaves every other thread's setting alone.
+        omp_set_num_threads(n);
+        return true;
+#else
+        return false;
+#endif
+      },
+      "Size of the OpenMP teams the calling thread starts; False when built without OpenMP", "n"_a);
 
   m.attr("PIECE_FP32") = (int64_t)kPieceFp32;
   m.attr("PIECE_BF16") = (int64_t)kPieceBf16;

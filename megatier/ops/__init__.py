@@ -9,7 +9,7 @@ Every op validates its arguments and raises TypeError/ValueError naming the
 argument and the fix; the compiled kernels re-check (RuntimeError) so that bad
 input never crashes the process.
 """
-from megatier.ops._native import native_available, native_info
+from megatier.ops._native import limit_thread_parallelism, native_available, native_info
 from megatier.ops.adamw import adamw_replay, adamw_step
 from megatier.ops.compression import (
     DEFAULT_BLOCK_SIZE,
@@ -35,6 +35,7 @@ from megatier.ops.reference import adamw_scalars
 __all__ = [
     "native_available",
     "native_info",
+    "limit_thread_parallelism",
     "adamw_scalars",
     "adamw_step",
     "adamw_replay",

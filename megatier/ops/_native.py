@@ -55,6 +55,20 @@ def native_info() -> dict:
     return info
 
 
+def limit_thread_parallelism(n: int = 1) -> bool:
+    """Let parallel regions started by the *calling* thread use at most ``n`` threads (native and ATen ops).
+
+    For helper threads (checkpoint serialization) that must not oversubscribe the cores the training
+    loop's own OpenMP team runs on. Returns False where that cannot be done (no extension or no OpenMP).
+    """
+    if _C is None:
+        return False
+    # ATen sizes a thread's OpenMP setting lazily on its first parallel op; do that first so it cannot
+    # overwrite ours afterwards.
+    torch.get_num_threads()
+    return bool(_C.set_thread_num_threads(int(n)))
+
+
 def _warn_fallback(reason: str) -> None:
     global _warned
     with _warn_lock:

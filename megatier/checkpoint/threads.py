@@ -1,0 +1,49 @@
+"""Helper threads of the checkpoint system, kept off the training loop's cores.
+
+On a GPU node the save path runs on side streams and spare host cores; on a CPU
+box every core is busy with the loop's own OpenMP team. There, a helper thread
+that compresses or hashes with a full OpenMP team of its own oversubscribes the
+cores, and the loop's team then waits at every barrier for a descheduled
+member: a few milliseconds of helper work cost tens of milliseconds of step
+time. So every helper thread
+
+* starts parallel regions (our kernels, ATen ops) with one thread only, and
+* runs at the lowest CPU priority (nice +19 on Linux, per thread), so it takes
+  the cores the loop leaves idle and yields them as soon as the loop wants them.
+
+It is never starved outright: a nice +19 thread still gets a small share under
+full load, and whenever the loop waits for it (the Tier-2 hand-off, the memory
+budget) the cores are idle and it runs at full speed.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+from megatier import ops
+
+log = logging.getLogger(__name__)
+
+HELPER_NICENESS = 19
+
+
+def _demote_current_thread() -> None:
+    ops.limit_thread_parallelism(1)
+    try:
+        # On Linux the nice value is a property of each thread (tid), not of the whole process.
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), HELPER_NICENESS))
+    except (AttributeError, OSError) as e:  # not Linux/POSIX, or not permitted: only slower, still correct
+        log.debug("could not lower the priority of %s: %s", threading.current_thread().name, e)
+
+
+def helper_thread(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread (not yet started) that demotes itself, then runs ``target``."""
+
+    def run() -> None:
+        _demote_current_thread()
+        target()
+
+    return threading.Thread(target=run, name=name, daemon=True)
