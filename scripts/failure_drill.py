@@ -383,7 +383,9 @@ def main(argv: list[str]) -> int:
     os.makedirs(job.work, exist_ok=True)
     recoveries, records, status = run_drill(args, job)
     final = _summary(records)
-    reference = run_reference(args, args.overrides) if args.compare else None
+    # A drill that already went wrong is reported as it is; a reference run would add nothing.
+    drilled = not any(rec.problems for rec in recoveries)
+    reference = run_reference(args, args.overrides) if args.compare and drilled else None
     problems = final_problems(args, job, recoveries, final, status, reference)
     print(format_report(args, job, recoveries, final, status, reference, problems))
     if args.json:
