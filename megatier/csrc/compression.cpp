@@ -64,6 +64,17 @@ inline void quant_block(const float* __restrict x, int64_t len, int8_t* __restri
       vmax = _mm512_max_epu32(vmax, _mm512_and_si512(_mm512_loadu_si512((const void*)(x + i)), absmask));
     kmax = (uint32_t)_mm512_reduce_max_epu32(vmax);
   }
+#elif defined(__AVX2__)
+  {
+    // Magnitude keys (sign bit cleared) compare as unsigned integers in float order, NaNs above +inf.
+    const __m256i absmask = _mm256_set1_epi32(0x7fffffff);
+    __m256i vmax = _mm256_setzero_si256();
+    for (; i + 8 <= len; i += 8)
+      vmax = _mm256_max_epu32(vmax, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i)), absmask));
+    alignas(32) uint32_t lanes[8];
+    _mm256_store_si256((__m256i*)lanes, vmax);
+    for (uint32_t k : lanes) kmax = k > kmax ? k : kmax;
+  }
 #endif
   for (; i < len; ++i) {
     const uint32_t k = mag_key(x[i]);
@@ -84,6 +95,26 @@ inline void quant_block(const float* __restrict x, int64_t len, int8_t* __restri
       q = _mm512_min_ps(hi, _mm512_max_ps(lo, q));
       const __mmask16 ord = _mm512_cmp_ps_mask(q, q, _CMP_ORD_Q);
       _mm_storeu_si128((__m128i*)(codes + i), _mm512_cvtepi32_epi8(_mm512_maskz_cvtps_epi32(ord, q)));
+    }
+  }
+#elif defined(__AVX2__)
+  {
+    // Same operations 8 lanes at a time: max/min with q second let a NaN through, the ordered mask
+    // zeroes it, cvtps2dq rounds half to even; 32 codes are packed (saturation never triggers:
+    // |code| <= 127) and the packs' lane interleave is undone by one permute.
+    const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256i unshuffle = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    auto code8 = [&](const float* src) {
+      __m256 q = _mm256_mul_ps(_mm256_loadu_ps(src), vinv);
+      q = _mm256_min_ps(hi, _mm256_max_ps(lo, q));
+      q = _mm256_and_ps(q, _mm256_cmp_ps(q, q, _CMP_ORD_Q));
+      return _mm256_cvtps_epi32(q);
+    };
+    for (; i + 32 <= len; i += 32) {
+      const __m256i ab = _mm256_packs_epi32(code8(x + i), code8(x + i + 8));
+      const __m256i cd = _mm256_packs_epi32(code8(x + i + 16), code8(x + i + 24));
+      const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(ab, cd), unshuffle);
+      _mm256_storeu_si256((__m256i*)(codes + i), packed);
     }
   }
 #endif
