@@ -25,13 +25,13 @@ constexpr int64_t kPrefetch = 256;         // elements ahead (1 KiB per stream)
 //   p = p * keep                                   (decay ranges only)
 //   m = m * beta1 + (1 - beta1) * g
 //   v = v * beta2 + ((1 - beta2) * g) * g
-//   p = p + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+//   p = p + (-step_size * m) / (sqrt(v) * inv_bc2_sqrt + eps)   (inv_bc2_sqrt = float(1 / bc2_sqrt))
 template <bool kDecay>
 inline void adamw_elem(float& p, float& m, float& v, float g, const StepScalars& s) {
   if (kDecay) p = p * s.keep;
   m = m * s.beta1 + s.omb1 * g;
   v = v * s.beta2 + (s.omb2 * g) * g;
-  const float denom = std::sqrt(v) / s.bc2 + s.eps;
+  const float denom = std::sqrt(v) * s.inv_bc2 + s.eps;
   p = p + (s.neg_step_size * m) / denom;
 }
 

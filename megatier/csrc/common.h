@@ -137,7 +137,7 @@ inline int64_t topk_target(int64_t n, double ratio) {
 // ---------------------------------------------------------------------------
 // AdamW scalars of one step, cast to float once.
 struct StepScalars {
-  float beta1, omb1, beta2, omb2, eps, bc2, neg_step_size, keep;
+  float beta1, omb1, beta2, omb2, eps, inv_bc2, neg_step_size, keep;  // inv_bc2 = 1 / sqrt(1 - beta2^t)
   bool decay;    // weight decay applies (weight_decay != 0)
   bool skipped;  // step applies nothing
 };
@@ -150,7 +150,7 @@ inline StepScalars make_step_scalars(double step_size, double bc2_sqrt, double b
   s.beta2 = (float)beta2;
   s.omb2 = (float)(1.0 - beta2);
   s.eps = (float)eps;
-  s.bc2 = (float)bc2_sqrt;
+  s.inv_bc2 = (float)(1.0 / bc2_sqrt);
   s.neg_step_size = (float)(-step_size);
   s.keep = (float)keep;
   s.decay = decay;

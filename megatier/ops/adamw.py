@@ -5,11 +5,12 @@ Per element (the reference in :mod:`megatier.ops.reference` spells it out)::
     p = p * (1 - lr * wd)                 # only inside decay_segments, only if wd != 0
     m = m * beta1 + (1 - beta1) * g
     v = v * beta2 + ((1 - beta2) * g) * g
-    p = p + (-step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+    p = p + (-step_size * m) / (sqrt(v) * inv_bc2_sqrt + eps)
 
-with ``step_size, bc2_sqrt = adamw_scalars(step, lr, beta1, beta2)`` computed in float64
-on the host and cast to float32 once. The native :func:`adamw_replay` over N dense
-gradients is bitwise equal to N native :func:`adamw_step` calls.
+with ``step_size, bc2_sqrt = adamw_scalars(step, lr, beta1, beta2)`` and
+``inv_bc2_sqrt = 1 / bc2_sqrt`` computed in float64 on the host and cast to float32 once.
+The native :func:`adamw_replay` over N dense gradients is bitwise equal to N native
+:func:`adamw_step` calls.
 """
 from __future__ import annotations
 

@@ -245,7 +245,7 @@ __device__ __forceinline__ void adamw_elem(float& p, float& m, float& v, float g
   if (kDecay) p = __fmul_rn(p, s.keep);
   m = __fadd_rn(__fmul_rn(m, s.beta1), __fmul_rn(s.omb1, g));
   v = __fadd_rn(__fmul_rn(v, s.beta2), __fmul_rn(__fmul_rn(s.omb2, g), g));
-  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.bc2), s.eps);
+  const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), s.inv_bc2), s.eps);
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(s.neg_step_size, m), denom));
 }
 
