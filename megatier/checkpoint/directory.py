@@ -43,7 +43,9 @@ class PartialFile:
                 os.makedirs(directory, exist_ok=True)
                 self._file = open(self.tmp, "xb")
                 return
-            except FileNotFoundError:
+            except (FileNotFoundError, FileExistsError):
+                # makedirs raises FileExistsError too when the directory vanishes between its mkdir and
+                # its isdir check: the same race, so the same retry.
                 continue
         raise StoreError(f"cannot create a file in {directory}: the directory keeps disappearing")
 
