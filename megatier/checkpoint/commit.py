@@ -169,12 +169,19 @@ class Committer:
         self.job_id = job_id
         self.fault_hook = fault_hook
 
-    def try_commit(self, pid: PayloadId, world_size: int) -> Optional[CommitRecord]:
-        """Commit ``pid`` if every rank's marker is in; returns the (new or existing) record, else None."""
-        existing = self._existing(pid)
-        if existing is not None:
-            return existing
-        listing = self.store.list(f"{pid.dirname}/")
+    def try_commit(self, pid: PayloadId, world_size: int,
+                   listing: Optional[dict[str, int]] = None) -> Optional[CommitRecord]:
+        """Commit ``pid`` if every rank's marker is in; returns the (new or existing) record, else None.
+
+        ``listing`` (the unit's keys and sizes, from a listing just taken) saves
+        the store a listing and, when it shows no commit record, a failed read.
+        """
+        if listing is None or commit_key(pid) in listing:
+            existing = self._existing(pid)
+            if existing is not None:
+                return existing
+        if listing is None:
+            listing = self.store.list(f"{pid.dirname}/")
         markers = _read_markers(self.store, pid, world_size, listing, self.job_id)
         if markers is None or len({m.incarnation for m in markers}) != 1:
             return None
@@ -196,14 +203,22 @@ class Committer:
         except ObjectNotFound:
             return None
 
-    def commit_pending(self, world_size: int) -> list[CommitRecord]:
-        """Try every unit that has markers but no commit record, oldest first; returns the new commits."""
+    def commit_pending(self, world_size: int,
+                       units: Optional[dict[PayloadId, "UnitListing"]] = None) -> list[CommitRecord]:
+        """Commit every unit that has all its markers but no commit record, oldest first; returns the new commits.
+
+        ``units`` is a fresh :func:`list_units` (taken here if not given); the
+        units committed now are marked committed in it.
+        """
+        units = list_units(self.store) if units is None else units
         new = []
-        for pid, unit in sorted(list_units(self.store).items(), key=lambda kv: (kv[0].last, kv[0].kind)):
-            if not unit.committed and unit.markers:
-                record = self.try_commit(pid, world_size)
-                if record is not None:
-                    new.append(record)
+        for pid, unit in sorted(units.items(), key=lambda kv: (kv[0].last, kv[0].kind)):
+            if unit.committed or len(set(unit.markers)) < world_size:
+                continue
+            record = self.try_commit(pid, world_size, listing=unit.objects)
+            if record is not None:
+                unit.committed = True
+                new.append(record)
         return new
 
 

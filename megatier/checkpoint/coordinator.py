@@ -6,6 +6,13 @@ The thread polls the store: it commits every unit whose done markers are all
 in, then, once the training loop has published a higher watermark, deletes
 what the watermark made obsolete. Store failures are logged and retried on the
 next poll; the loop never waits on this thread except at :meth:`close`.
+
+When to poll: new units appear at most once per diff batch, so the loop
+nudges the thread at each of its watermark syncs (every ``diff.batch`` steps)
+and the thread otherwise polls every ``poll_s`` seconds to pick up markers
+that arrive between nudges. A poll lists the whole job once; polling several
+times a step would cost the training loop's cores more than the commits are
+worth (it did: ~1% of step time at 0.2 s on a 2-core box).
 """
 from __future__ import annotations
 
@@ -40,7 +47,7 @@ class Coordinator:
     """Commits complete units on Tier-3 and reclaims behind the watermark (rank 0 only)."""
 
     def __init__(self, store: ObjectStore, job_id: str, world_size: int, *, keep_bases: int,
-                 fault_hook: Optional[FaultHook] = None, poll_s: float = 0.2):
+                 fault_hook: Optional[FaultHook] = None, poll_s: float = 1.0):
         self.store = store
         self.world_size = world_size
         self.keep_bases = keep_bases
@@ -77,14 +84,18 @@ class Coordinator:
                 self._watermark = watermark
         self._wake.set()
 
+    def nudge(self) -> None:
+        """Poll now (new units may be complete): called by the loop at its watermark sync."""
+        self._wake.set()
+
     # ---- the thread ---------------------------------------------------------------------------
 
     def poll_once(self) -> None:
         """One round: learn what is committed, commit what is complete, reclaim if the watermark moved."""
-        for record in self._committer.commit_pending(self.world_size):
+        units = list_units(self.store)
+        for record in self._committer.commit_pending(self.world_size, units):
             if self.fault_hook is not None:
                 self.fault_hook(T3_AFTER_COMMIT, record.pid.version)
-        units = list_units(self.store)
         bases = {p.version for p, u in units.items() if u.committed and p.kind == BASE}
         diffs = {(p.first, p.last) for p, u in units.items() if u.committed and p.kind != BASE}
         with self._lock:

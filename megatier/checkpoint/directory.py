@@ -14,10 +14,12 @@ Atomicity comes from the file system, not from locks:
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import secrets
+from typing import BinaryIO, Iterable, Optional
 
-from megatier.checkpoint.store import ObjectNotFound, ObjectStore, StoreError, StoreUnavailable, check_key
+from megatier.checkpoint.store import Buffer, ObjectNotFound, ObjectStore, StoreError, StoreUnavailable, check_key
 
 _TMP = ".tmp-"
 
@@ -49,9 +51,20 @@ class PartialFile:
                 continue
         raise StoreError(f"cannot create a file in {directory}: the directory keeps disappearing")
 
-    def append(self, data: bytes) -> None:
+    def append(self, data: Buffer) -> None:
         self._file.write(data)
-        self.size += len(data)
+        self.size += memoryview(data).nbytes
+
+    def fill_from(self, fd: int, size: int) -> None:
+        """Copy ``size`` bytes of the file ``fd`` (from its start) in the kernel."""
+        self._file.flush()
+        sent = 0
+        while sent < size:
+            n = os.sendfile(self._file.fileno(), fd, sent, size - sent)
+            if n == 0:
+                raise OSError(errno.EIO, f"source file ended after {sent} of {size} bytes")
+            sent += n
+        self.size += size
 
     def seal(self) -> str:
         """Flush, fsync and close; returns the temp path, ready to be renamed or linked."""
@@ -121,6 +134,50 @@ class DirectoryStore(ObjectStore):
         partial = self.begin(key)
         try:
             partial.append(data)
+        except OSError as e:
+            partial.discard()
+            raise self._wrap(e, "writing", key) from e
+        self.publish(partial, key)
+
+    def put_pieces(self, key: str, pieces: Iterable[Buffer]) -> None:
+        """:meth:`put` of the concatenation of ``pieces``, written one after another (no joined copy)."""
+        partial = self.begin(key)
+        try:
+            for piece in pieces:
+                partial.append(piece)
+        except OSError as e:
+            partial.discard()
+            raise self._wrap(e, "writing", key) from e
+        self.publish(partial, key)
+
+    def open_mapped(self, key: str) -> tuple[BinaryIO, mmap.mmap]:
+        """``key``'s file opened for reading and a read-only map of it: its bytes without a copy
+        (on tmpfs, the very memory of the file). Both stay valid if the key is deleted or replaced."""
+        path = self._path(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError as e:
+            raise ObjectNotFound(f"{self.describe(key)} does not exist") from e
+        except OSError as e:
+            raise self._wrap(e, "reading", key) from e
+        try:
+            return f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
+            f.close()
+            raise StoreError(f"mapping {self.describe(key)} failed: {e}") from e
+
+    def put_from(self, key: str, data: Buffer, source: Optional[BinaryIO]) -> None:
+        """:meth:`put`, copying from the open file ``source`` (holding exactly ``data``) in the kernel.
+
+        A Tier-1 payload lives in a tmpfs file; sendfile moves it into this
+        store's file without touching user memory, which costs a third of the
+        CPU of writing the mapped bytes (and does not grow under writeback).
+        """
+        if source is None:
+            return self.put(key, data)
+        partial = self.begin(key)
+        try:
+            partial.fill_from(source.fileno(), len(data))
         except OSError as e:
             partial.discard()
             raise self._wrap(e, "writing", key) from e

@@ -29,7 +29,7 @@ import xxhash
 
 from megatier.checkpoint.directory import DirectoryStore, PartialFile
 from megatier.checkpoint.naming import FaultHook, PayloadId, check_path_component, parse_rank_name, rank_name
-from megatier.checkpoint.payload import EncodedPayload, PayloadError, Stamp, verify_payload
+from megatier.checkpoint.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
 from megatier.checkpoint.store import ObjectNotFound
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,22 @@ class LocalTier:
         if self.fault_hook is not None:
             self.fault_hook(T1_MID_WRITE, stamp.pid.version)
         self.store.put(stamp_key, stamp.to_json())
+
+    def save_draft(self, draft: PayloadDraft) -> EncodedPayload:
+        """Serialize ``draft`` straight into its rank's own area; atomic as :meth:`save`.
+
+        Returns the payload with ``data`` a read-only map of the written file, so
+        Tier-2 and Tier-3 send this very memory and the tensors are copied once.
+        """
+        data_key, stamp_key = self._keys(draft.layout.rank, draft.pid, False)
+        self.store.delete(stamp_key)
+        self.store.put_pieces(data_key, draft.pieces())
+        source, data = self.store.open_mapped(data_key)
+        payload = EncodedPayload(data, draft.stamp(data), source)
+        if self.fault_hook is not None:
+            self.fault_hook(T1_MID_WRITE, draft.pid.version)
+        self.store.put(stamp_key, payload.stamp.to_json())
+        return payload
 
     def begin_replica(self, stamp: Stamp) -> "ReplicaWriter":
         """Receive the replica that ``stamp`` describes chunk by chunk (Tier-2 paced transfer)."""

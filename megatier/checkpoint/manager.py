@@ -66,14 +66,16 @@ class CheckpointManager:
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = 0.0
-        self.uploader = None
-        if ctx.remote is not None:
-            self.uploader = Uploader(ctx.remote, ctx.job_id, ctx.rank, incarnation=ctx.incarnation,
-                                     fault_hook=ctx.fault)
         self.coordinator = None
         if ctx.remote is not None and ctx.is_coordinator:
             self.coordinator = Coordinator(ctx.remote, ctx.job_id, ctx.world_size, keep_bases=cfg.remote.keep_bases,
                                            fault_hook=ctx.fault)
+        self.uploader = None
+        if ctx.remote is not None:
+            # The coordinator's rank nudges it after each of its own markers (in a world of one, the last).
+            self.uploader = Uploader(ctx.remote, ctx.job_id, ctx.rank, incarnation=ctx.incarnation,
+                                     fault_hook=ctx.fault,
+                                     on_done=None if self.coordinator is None else lambda pid: self.coordinator.nudge())
         self.peer = None
         if ctx.replica_holder_rank is not None and ctx.local is not None:
             self.peer = PeerReplicator(ctx.local, rank=ctx.rank, holder_rank=ctx.replica_holder_rank,
@@ -188,6 +190,8 @@ class CheckpointManager:
         """One all-gather: every rank learns the watermark and every tier's recovery point."""
         ctx = self.ctx
         none = -1
+        if self.coordinator is not None:
+            self.coordinator.nudge()
         t3 = self.coordinator.recovery_point() if self.coordinator is not None else None
         newest = self.coordinator.newest_base() if self.coordinator is not None else None
         mine = torch.tensor([v if v is not None else none for v in

@@ -1,7 +1,7 @@
 """Checkpoint payloads: one rank's base or diff batch as safetensors bytes, plus its stamp.
 
-A payload is serialized once (``safetensors.torch.save`` to bytes) and the same
-bytes go to every tier. Its :class:`Stamp` is stored beside it (a Tier-1 JSON
+A payload is serialized once, straight into its Tier-1 file when there is a
+Tier-1 (else to bytes), and the same bytes go to every tier. Its :class:`Stamp` is stored beside it (a Tier-1 JSON
 file, a Tier-3 done marker and commit record) and carries the xxh64 of those
 exact bytes, their size, the job id and the layout. The safetensors metadata
 (key ``"megatier"``, one JSON string) repeats the job id, the layout and the
@@ -23,9 +23,10 @@ check identity (job id, layout, unit) against the stamp and the caller.
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, BinaryIO, Optional, Sequence, Union
 
 import safetensors.torch
 import torch
@@ -139,10 +140,26 @@ class Stamp:
 
 @dataclass(frozen=True)
 class EncodedPayload:
-    """Serialized payload bytes and their stamp; the unit every tier stores and moves."""
+    """Serialized payload bytes and their stamp; the unit every tier stores and moves.
 
-    data: bytes
+    ``data`` is ``bytes``, or a read-only ``mmap`` of the Tier-1 file the
+    payload was serialized into (the bytes Tier-2 and Tier-3 then send); both
+    slice, hash and write alike. The map stays valid after the file is
+    deleted or replaced (it holds the old pages until it is dropped).
+    """
+
+    data: Union[bytes, mmap.mmap]
     stamp: Stamp
+    # The open Tier-1 file ``data`` maps, if any: a file-system Tier-3 copies from it in the kernel.
+    source: Optional[BinaryIO] = field(default=None, compare=False, repr=False)
+
+    @property
+    def mapped(self) -> bool:
+        return not isinstance(self.data, bytes)
+
+    def detached(self) -> "EncodedPayload":
+        """The same payload as ``bytes``, holding no file (a map and its file cost a descriptor each)."""
+        return EncodedPayload(bytes(self.data), self.stamp) if self.mapped else self
 
 
 def verify_payload(data: bytes, stamp: Stamp, source: str) -> None:
@@ -188,28 +205,69 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous()
 
 
-def _unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Clone tensors whose storage another entry already uses (safetensors refuses shared storage)."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in tensors.items():
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen and t.numel() > 0:
-            t = t.clone()
-        seen.add(ptr)
-        out[name] = t
-    return out
+# safetensors' dtype names (its format spec) for the dtypes payloads carry.
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
 
 
-def _seal(pid: PayloadId, tensors: dict[str, torch.Tensor], meta: dict, job_id: str,
-          layout: ShardLayout) -> EncodedPayload:
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (little-endian, as safetensors stores them)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class PayloadDraft:
+    """A payload's tensors and metadata, not yet serialized: to bytes, or piece by piece into a file.
+
+    The pieces are a safetensors file (8-byte header length, JSON header padded
+    to 8 bytes, then each tensor's bytes in header order; safetensors reads it).
+    We emit them ourselves because the library only serializes to a new bytes
+    object (holding the GIL for the whole copy: the training loop's Python
+    thread stalls meanwhile) or to a path it replaces behind the caller's back;
+    written piece by piece into the Tier-1 temp file, each tensor is copied
+    once, with the GIL released.
+    """
+
+    pid: PayloadId
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    job_id: str
+    layout: ShardLayout
+
+    def stamp(self, data) -> Stamp:
+        """The stamp of ``data``, this draft's serialized bytes (any buffer)."""
+        return Stamp(self.pid, len(data), checksum(data), self.job_id, self.layout)
+
+    def pieces(self) -> list:
+        """The serialized payload as consecutive buffers: the header, then one view per tensor."""
+        entries: dict[str, Any] = {"__metadata__": self.metadata}
+        views, offset = [], 0
+        for name, t in self.tensors.items():
+            if t.dtype not in _ST_DTYPES:
+                raise ValueError(f"payload tensor {name} has dtype {t.dtype}, which payloads do not store")
+            view = _raw_bytes(t)
+            entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [offset, offset + len(view)]}
+            views.append(view)
+            offset += len(view)
+        header = json.dumps(entries, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        return [struct.pack("<Q", len(header)) + header, *views]
+
+    def to_payload(self) -> EncodedPayload:
+        data = b"".join(self.pieces())
+        return EncodedPayload(data, self.stamp(data))
+
+
+def _draft(pid: PayloadId, tensors: dict[str, torch.Tensor], meta: dict, job_id: str,
+           layout: ShardLayout) -> PayloadDraft:
     meta = {"format": FORMAT, **pid.to_dict(), "job_id": job_id, "layout": layout.to_dict(), **meta}
-    data = safetensors.torch.save(_unaliased(tensors), metadata={_META_KEY: json.dumps(meta)})
-    return EncodedPayload(data, Stamp(pid, len(data), checksum(data), job_id, layout))
+    return PayloadDraft(pid, tensors, {_META_KEY: json.dumps(meta)}, job_id, layout)
 
 
-def encode_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> EncodedPayload:
-    """Serialize a base shard; fp32 state tensors must be 1-D and of equal length."""
+def draft_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> PayloadDraft:
+    """A base shard ready to serialize; fp32 state tensors must be 1-D and of equal length."""
     shapes = {name: tuple(getattr(state, name).shape) for name in _STATE_TENSORS}
     if len(set(shapes.values())) != 1 or len(shapes["master"]) != 1:
         raise ValueError(f"base state tensors must be 1-D of equal length, got {shapes}")
@@ -220,11 +278,11 @@ def encode_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> Encode
     tensors.update({f"rng/{name}": _host(t) for name, t in state.rng.items()})
     meta = {"adam_steps": state.adam_steps, "schedule": state.schedule, "loss_scaler": state.loss_scaler,
             "data_position": state.data_position, "segments": state.segments, "rng": sorted(state.rng)}
-    return _seal(PayloadId.base(state.version), tensors, meta, job_id, layout)
+    return _draft(PayloadId.base(state.version), tensors, meta, job_id, layout)
 
 
-def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLayout) -> EncodedPayload:
-    """Serialize N consecutive steps' records as one diff batch."""
+def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLayout) -> PayloadDraft:
+    """N consecutive steps' records as one diff batch, ready to serialize."""
     if not steps:
         raise ValueError("a diff batch needs at least one step")
     first = steps[0].step
@@ -237,7 +295,17 @@ def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLa
         tensors.update({f"s{s.step}/{name}": _host(t) for name, t in s.tensors.items()})
         records.append({"step": s.step, "lr": s.lr, "adam_step": s.adam_step, "skipped": bool(s.skipped),
                         "header": s.header, "tensors": sorted(s.tensors)})
-    return _seal(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout)
+    return _draft(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout)
+
+
+def encode_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> EncodedPayload:
+    """Serialize a base shard to bytes (see :func:`draft_base`)."""
+    return draft_base(state, job_id=job_id, layout=layout).to_payload()
+
+
+def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLayout) -> EncodedPayload:
+    """Serialize N consecutive steps' records to bytes as one diff batch."""
+    return draft_diff_batch(steps, job_id=job_id, layout=layout).to_payload()
 
 
 def read_metadata(data: bytes, source: str) -> dict:
@@ -276,7 +344,8 @@ def _open(payload: EncodedPayload, kind: str, job_id: str, layout: ShardLayout,
             raise PayloadError(f"{source}: belongs to {what} {got} (stamp: {stamped}), expected {want}; it is "
                                f"another run's or rank's checkpoint, check checkpoint.job_id and the layout")
     try:
-        tensors = safetensors.torch.load(payload.data)
+        data = payload.data if isinstance(payload.data, bytes) else bytes(payload.data)
+        tensors = safetensors.torch.load(data)
     except Exception as e:  # safetensors raises its own SafetensorError (not importable as a stable name)
         raise PayloadError(f"{source}: tensor data unreadable ({e})") from e
     return meta, tensors

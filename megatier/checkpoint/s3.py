@@ -100,7 +100,9 @@ class S3Store(ObjectStore):
     def put(self, key: str, data: bytes) -> None:
         full = self._key(key)
         if len(data) <= self.part_size:
-            self._call("writing", key, lambda: self.client.put_object(Bucket=self.bucket, Key=full, Body=data))
+            # A Tier-1 payload arrives as an mmap; botocore wants bytes or a file it may rewind itself.
+            body = data if isinstance(data, bytes) else bytes(data)
+            self._call("writing", key, lambda: self.client.put_object(Bucket=self.bucket, Key=full, Body=body))
         else:
             self._put_multipart(key, full, data)
 

@@ -13,12 +13,15 @@ Guarantees every implementation gives:
 from __future__ import annotations
 
 import abc
+import mmap
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import BinaryIO, Callable, Optional, TypeVar, Union
 
 T = TypeVar("T")
+# Payload bytes as the tiers pass them: bytes, or a read-only map of a Tier-1 file.
+Buffer = Union[bytes, mmap.mmap]
 
 
 class StoreError(Exception):
@@ -56,6 +59,11 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> None:
         """Create or replace ``key`` atomically."""
+
+    def put_from(self, key: str, data: Buffer, source: Optional[BinaryIO]) -> None:
+        """:meth:`put` of ``data``; ``source``, if given, is an open file holding exactly ``data``
+        that a file-system store may copy from in the kernel instead."""
+        self.put(key, data)
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> bool:

@@ -8,8 +8,9 @@ may overwrite the live state at once). This thread then, in submission order:
 - compresses each step's gradient per parameter segment and appends it to the
   open diff batch; a closed batch is serialized as one payload;
 - serializes each base once;
-- writes every payload to Tier-1 (the node's memory) and queues the same bytes
-  for Tier-3; keeps them for the Tier-2 hand-off until the loop takes them.
+- serializes every payload straight into its Tier-1 file (the node's memory)
+  and queues a read-only map of that file for Tier-3 and, until the loop takes
+  it, for the Tier-2 hand-off: one copy of the tensors feeds all three tiers.
 
 Order matters for correctness: a unit reaches Tier-1 before it is offered to
 the other tiers, and units are produced in step order, so the Tier-1 recovery
@@ -27,7 +28,7 @@ import torch
 from megatier.checkpoint.coordinator import chain_end
 from megatier.checkpoint.local import LocalTier
 from megatier.checkpoint.naming import BASE, PayloadId
-from megatier.checkpoint.payload import BaseState, DiffStep, EncodedPayload, ShardLayout, encode_base, encode_diff_batch
+from megatier.checkpoint.payload import BaseState, DiffStep, EncodedPayload, PayloadDraft, ShardLayout, draft_base, draft_diff_batch
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.uploader import Uploader
@@ -140,9 +141,8 @@ class SaveWorker:
                     return
                 job, nbytes = self._jobs[0]
             try:
-                payload = self._diff(job) if isinstance(job, _DiffJob) else self._base(job)
-                if payload is not None:
-                    self._store(payload)
+                draft = self._diff(job) if isinstance(job, _DiffJob) else self._base(job)
+                payload = self._store(draft) if draft is not None else None
             except BaseException as e:  # keep the cause for the loop; stop saving (nothing half-visible)
                 with self._cv:
                     self._error = e
@@ -156,7 +156,7 @@ class SaveWorker:
                     self._ready[payload.stamp.pid] = payload
                 self._cv.notify_all()
 
-    def _diff(self, job: _DiffJob) -> Optional[EncodedPayload]:
+    def _diff(self, job: _DiffJob) -> Optional[PayloadDraft]:
         step, nbytes = self.shard.compress(job.step, job.grad, job.lr, job.adam_step, job.skipped, self.diff_cfg)
         self._open.append(step)
         with self._cv:
@@ -164,19 +164,23 @@ class SaveWorker:
         if not job.close_batch:
             return None
         batch, self._open = self._open, []
-        return encode_diff_batch(batch, job_id=self.job_id, layout=self.layout)
+        return draft_diff_batch(batch, job_id=self.job_id, layout=self.layout)
 
-    def _base(self, state: BaseState) -> EncodedPayload:
-        payload = encode_base(state, job_id=self.job_id, layout=self.layout)
-        with self._cv:
-            self.base_bytes += payload.stamp.size
-        return payload
+    def _base(self, state: BaseState) -> PayloadDraft:
+        return draft_base(state, job_id=self.job_id, layout=self.layout)
 
-    def _store(self, payload: EncodedPayload) -> None:
-        pid = payload.stamp.pid
+    def _store(self, draft: PayloadDraft) -> EncodedPayload:
+        """Serialize once (into Tier-1 when there is one) and offer the same bytes to Tier-3."""
+        pid = draft.pid
         if self.local is not None:
-            self.local.save(payload)
+            payload = self.local.save_draft(draft)
             with self._cv:
                 (self.t1_bases.add(pid.version) if pid.kind == BASE else self.t1_diffs.add((pid.first, pid.last)))
+        else:
+            payload = draft.to_payload()
+        if pid.kind == BASE:
+            with self._cv:
+                self.base_bytes += payload.stamp.size
         if self.uploader is not None:
             self.uploader.submit(payload)
+        return payload

@@ -52,19 +52,26 @@ class UploaderStatus:
     last_error: Optional[str]
 
 
+# Queued payloads kept as maps of their Tier-1 files (each holds file descriptors); later ones are copied.
+MAPPED_QUEUE_CAP = 64
+
+
 class Uploader:
     """Uploads rank ``rank``'s payloads to ``store`` in order; start with construction, end with close()."""
 
     def __init__(self, store: ObjectStore, job_id: str, rank: int, *, incarnation: str,
-                 backoff: RetryPolicy = RetryPolicy(), fault_hook: Optional[FaultHook] = None):
+                 backoff: RetryPolicy = RetryPolicy(), fault_hook: Optional[FaultHook] = None,
+                 on_done: Optional[Callable[[PayloadId], None]] = None):
         # ``incarnation`` must be the same on every rank of one launch and differ between launches
         # (e.g. a token broadcast from rank 0 at start-up): a commit never mixes two incarnations' markers.
         # Only backoff's delays are used: the uploader never gives up on a payload while it is open.
+        # ``on_done(pid)`` runs in the uploader's thread after each done marker (the coordinator's nudge).
         self.store = store
         self.job_id = job_id
         self.rank = rank
         self.backoff = backoff
         self.fault_hook = fault_hook
+        self.on_done = on_done
         if not incarnation:
             raise ValueError("incarnation must be a non-empty token shared by every rank of this launch")
         self.incarnation = incarnation
@@ -90,6 +97,10 @@ class Uploader:
             self._raise_if_failed()
             if self._closing:
                 raise UploaderError(f"uploader of rank {self.rank} is closed; {payload.stamp.pid} was not queued")
+            if payload.mapped and len(self._queue) >= MAPPED_QUEUE_CAP:
+                # Tier-3 is behind: queue a copy so a long outage holds memory (bounded by the
+                # budget), not thousands of open files and maps of Tier-1.
+                payload = payload.detached()
             self._queue.append(payload)
             self._cv.notify_all()
 
@@ -162,12 +173,15 @@ class Uploader:
     def _upload(self, payload: EncodedPayload) -> None:
         stamp = payload.stamp
         key = object_key(stamp)
-        self._persist(lambda: self.store.put(key, payload.data), f"uploading {stamp.pid} of rank {self.rank}")
+        self._persist(lambda: self.store.put_from(key, payload.data, payload.source),
+                      f"uploading {stamp.pid} of rank {self.rank}")
         if self.fault_hook is not None:
             self.fault_hook(T3_BEFORE_MARKER, stamp.pid.version)
         marker = DoneMarker(key, stamp, self.incarnation).to_json()
         self._persist(lambda: self.store.put(marker_key(stamp.pid, self.rank), marker),
                       f"writing the done marker of {stamp.pid} of rank {self.rank}")
+        if self.on_done is not None:
+            self.on_done(stamp.pid)
 
     def _persist(self, action: Callable[[], T], what: str) -> T:
         """Run ``action`` until it succeeds, backing off between store failures; _Stopped on close()."""

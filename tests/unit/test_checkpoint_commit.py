@@ -271,3 +271,23 @@ def test_corrupt_marker_and_commit_record_are_named(tmp_path, upload_all):
     store.put(commit_key(pid), store.get(commit_key(pid))[:-20])
     with pytest.raises(PayloadError, match=f"{commit_key(pid)}.*malformed commit record"):
         RemoteReader(store, JOB).committed()
+
+
+def test_uploader_copies_mapped_payloads_beyond_its_cap_while_the_remote_is_down(tmp_path):
+    from megatier.checkpoint.local import LocalTier
+    from megatier.checkpoint.payload import draft_diff_batch
+    from megatier.checkpoint.uploader import MAPPED_QUEUE_CAP
+
+    tier = LocalTier(str(tmp_path / "t1"), JOB, "node0")
+    down = FlakyStore(DirectoryStore(str(tmp_path / "t3")), failures=10**9)
+    uploader = Uploader(down, JOB, 0, incarnation="launch0", backoff=FAST)
+    n = MAPPED_QUEUE_CAP + 3
+    for i in range(n):
+        steps = [DiffStep(i + 1, 1e-3, i + 1, False, {"g": torch.full((3,), float(i))}, {})]
+        payload = tier.save_draft(draft_diff_batch(steps, job_id=JOB, layout=layout(0)))
+        assert payload.mapped
+        uploader.submit(payload)
+    queued = list(uploader._queue)
+    assert len(queued) == n and sum(p.mapped for p in queued) == MAPPED_QUEUE_CAP
+    assert [bytes(p.data) for p in queued[-3:]] == [tier.load(0, p.stamp.pid).data for p in queued[-3:]]
+    assert uploader.close(timeout=0.1) == [p.stamp.pid for p in queued]

@@ -135,3 +135,36 @@ def test_bad_node_or_job_names_are_refused(tmp_path):
         LocalTier(str(tmp_path), JOB, "../escape")
     with pytest.raises(ValueError, match="checkpoint.job_id"):
         LocalTier(str(tmp_path), "a/b", "node0")
+
+
+def test_save_draft_writes_once_into_tier1_and_hands_out_that_file(tmp_path):
+    from megatier.checkpoint.directory import DirectoryStore
+    from megatier.checkpoint.payload import draft_base
+
+    n = 1000
+    state = BaseState(50, 50, torch.randn(n), torch.randn(n), torch.rand(n), {}, None, {"consumed_samples": 50})
+    tier = LocalTier(str(tmp_path), JOB, "node0")
+    payload = tier.save_draft(draft_base(state, job_id=JOB, layout=layout(1)))
+    # The same bytes as serializing to memory, stamped and complete on Tier-1, mapped from its file.
+    assert bytes(payload.data) == encode_base(state, job_id=JOB, layout=layout(1)).data
+    assert tier.list() == [payload.stamp]
+    assert tier.load(1, PayloadId.base(50)).data == bytes(payload.data)
+    assert payload.source is not None and os.fstat(payload.source.fileno()).st_size == payload.stamp.size
+    # A file-system Tier-3 copies from the open Tier-1 file, even after Tier-1 reclaimed it.
+    tier.delete(1, PayloadId.base(50))
+    remote = DirectoryStore(str(tmp_path / "t3"))
+    remote.put_from("obj", payload.data, payload.source)
+    assert remote.get("obj") == bytes(payload.data)
+    decoded = decode_base(payload, job_id=JOB, layout=layout(1), source="mapped")
+    assert torch.equal(decoded.master, state.master)
+
+
+def test_save_draft_crash_before_stamp_leaves_nothing_visible(tmp_path):
+    from megatier.checkpoint.payload import draft_diff_batch
+
+    steps = [DiffStep(s, 1e-3, s, False, {"g": torch.full((4,), float(s))}, {}) for s in range(1, 6)]
+    tier = LocalTier(str(tmp_path), JOB, "node0", fault_hook=crash_at(T1_MID_WRITE))
+    with pytest.raises(Crash):
+        tier.save_draft(draft_diff_batch(steps, job_id=JOB, layout=layout(0)))
+    assert tier.list() == []
+    assert tier.sweep_incomplete(0) == [PayloadId.diff(1, 5)]

@@ -172,3 +172,32 @@ def test_compressed_gradient_records_survive_a_diff_batch():
         rebuilt = ops.CompressedRecord(step.header, step.tensors)
         rebuilt.validate()
         assert torch.equal(ops.decompress_segments(rebuilt), ops.decompress_segments(record))
+
+
+def test_draft_pieces_are_a_safetensors_file_for_every_payload_dtype():
+    import safetensors.torch
+
+    from megatier.checkpoint.payload import PayloadDraft
+
+    storage = torch.arange(10, dtype=torch.float32)
+    tensors = {"f32": storage[2:7], "alias": storage[:3], "bf16": torch.randn(5).to(torch.bfloat16),
+               "f16": torch.randn(3).half(), "i8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+               "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3), "u8": torch.tensor([0, 255], dtype=torch.uint8),
+               "i64": torch.tensor([2**40]), "bool": torch.tensor([True, False]), "empty": torch.zeros(0),
+               "scalar": torch.tensor(3.5)}
+    draft = PayloadDraft(PayloadId.base(1), tensors, {"megatier": "{}"}, "j", ShardLayout(1, 1, 1, 0, 0, 0))
+    data = draft.to_payload().data
+    header_len = int.from_bytes(data[:8], "little")
+    assert header_len % 8 == 0  # tensor data starts 8-byte aligned
+    loaded = safetensors.torch.load(data)
+    assert loaded.keys() == tensors.keys()
+
+    def raw(t):  # compare bits, so NaN payloads and -0.0 count too
+        return t.reshape(-1).contiguous().view(torch.uint8)
+
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape, name
+        assert torch.equal(raw(loaded[name]), raw(t)), name
+    with pytest.raises(ValueError, match="complex64"):
+        PayloadDraft(PayloadId.base(1), {"c": torch.zeros(2, dtype=torch.complex64)}, {}, "j",
+                     ShardLayout(1, 1, 1, 0, 0, 0)).pieces()
