@@ -138,6 +138,10 @@ class RemoteTierConfig:
     endpoint_url: Optional[str] = None
     # Committed bases kept on Tier-3 at or below the watermark.
     keep_bases: int = 2
+    # Directory remotes: fsync each object before it becomes visible (durable through a power loss of the
+    # machine that wrote it). False for a file system that is durable on close (NFS, Lustre) or to match
+    # baselines that do not fsync either; S3 ignores it.
+    fsync: bool = True
 
 
 @dataclass
@@ -193,6 +197,14 @@ def register_configs() -> None:
     """Register the schemas so YAML in configs/ is validated against them (struct mode)."""
     cs = ConfigStore.instance()
     cs.store(name="megatier_schema", node=Config)
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """A script's own arguments and the Hydra overrides after ``--`` (scripts that run pretrain_gpt jobs)."""
+    if "--" not in argv:
+        return list(argv), []
+    i = argv.index("--")
+    return list(argv[:i]), list(argv[i + 1:])
 
 
 def compose_config(overrides: list[str], config_dir: Optional[str] = None) -> Config:

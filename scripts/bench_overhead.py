@@ -22,8 +22,10 @@ A step's time is what the loop spends on it: the trainer's ``iter_time_s``
 the same cores here, so their cost lands in it) plus ``ckpt_stall_ms`` (the
 after_step hook: the checkpoint work done in the loop). Evaluation is off. The
 first --warmup steps are excluded; a run's figure is the mean of the rest. The
-remote directory is the same local disk for every row (no fsync anywhere, as in
-Megatron's torch.save).
+remote directory is the same local disk for every row, with no fsync anywhere:
+Megatron's torch.save does not fsync, so MegaTier runs with
+checkpoint.remote.fsync=false for the same durability (add
+``-- checkpoint.remote.fsync=true`` to measure what fsync costs on this disk).
 
 Timings on a small shared CPU box are noisy and drift, so every other run is
 ``none``: none, A, none, B, ..., none, repeated --repeats times with the order of
@@ -31,8 +33,9 @@ the other rows reversed every other repetition. A run's overhead is its mean ste
 time over the mean of the two ``none`` runs around it; the table reports, per
 row, the median over repetitions (and the min..max), next to the median step
 time. Interference from other tenants only ever slows a run, so the table also
-gives each row's fastest run over the fastest ``none`` run ("of fastest"): the
-two estimates bracket the cost on a quiet machine. The default window (--iters
+gives each row's fastest run over the fastest of its references ("of fastest";
+a reference is the mean of the ``none`` runs around a run, so both minima are
+taken over as many samples). The default window (--iters
 60, --warmup 10) spans exactly 50 steps: one base_interval=50 and two periods of
 K=25, so each row pays a whole number of its checkpoints in the window.
 
@@ -67,6 +70,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from megatier.config import split_overrides  # noqa: E402
+
 ROWS = ("none", "megatier", "sync_torch_save", "dcp_async_save", "in_memory_every_step", "snapshot_then_persist")
 EVERY_K = ("sync_torch_save", "dcp_async_save", "snapshot_then_persist")  # rows with a checkpoint interval K
 TARGET_PCT = 3.5
@@ -77,10 +82,7 @@ MIB = 1 << 20
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     original = list(argv)
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Hydra overrides for every row go after `--`.")
@@ -200,7 +202,8 @@ def run_one(spec: str, tag: str, args, dirs: dict, rank: int) -> dict:
     if row == "megatier":
         overrides += ["checkpoint=tiered", "checkpoint.tiers=[local,remote]",
                       f"checkpoint.base_interval={args.base_interval}", f"checkpoint.local.root={local_root}",
-                      f"checkpoint.remote.url={remote}", f"checkpoint.job_id=bench-{name}"]
+                      f"checkpoint.remote.url={remote}", "checkpoint.remote.fsync=false",
+                      f"checkpoint.job_id=bench-{name}"]
     trainer = Trainer(compose_config(overrides + args.overrides))
     baseline = None
     if row not in ("none", "megatier"):
@@ -321,12 +324,16 @@ def summarize(runs: list[dict], rows: list[str]) -> dict:
             ovh = [x["overhead_pct"] for x in xs]
             s.update(overhead_pct=statistics.median(ovh), overhead_min_pct=min(ovh), overhead_max_pct=max(ovh))
         s["failed"] = len([x for x in runs if x["row"] == row and "error" in x])
-        if by_row.get("none"):
-            # Interference only slows runs: fastest over fastest estimates the cost on a quiet machine.
-            s["fastest_pct"] = 100.0 * (min(means) / min(x["mean_step_s"] for x in by_row["none"]) - 1.0)
+        refs = [x["none_ref_s"] for x in xs if "none_ref_s" in x]
+        if refs:
+            # Interference only slows runs: the fastest run over the fastest of its references (each the
+            # mean of the none runs around a run of the row, so both minima are over equally many samples)
+            # estimates the cost on a quiet machine.
+            s["fastest_pct"] = 100.0 * (min(means) / min(refs) - 1.0)
         if row == "megatier":
             diff = statistics.median(x["diff_bytes_per_step"] for x in xs)
-            s.update(diff=xs[0]["diff"], tiers=xs[0]["tiers"], diff_bytes_per_step=diff, base_bytes_per_base=statistics.median(x["base_bytes_per_base"] for x in xs),
+            s.update(diff=xs[0]["diff"], tiers=xs[0]["tiers"], diff_bytes_per_step=diff,
+                     base_bytes_per_base=statistics.median(x["base_bytes_per_base"] for x in xs),
                      diff_fraction_of_shard_state=diff / xs[0]["shard_state_bytes"])
         summary[row] = s
     return summary
@@ -348,7 +355,7 @@ def print_report(summary: dict, args, full_state_bytes: int | None) -> None:
           f"world={args.nproc}" + (f" overrides={args.overrides}" if args.overrides else ""))
     print("step time = iter_time_s + ckpt_stall_ms, mean over the window; step ms = median over repeats (min..max);")
     print("overhead = median over repeats of (run / mean of the `none` runs just before and after it) - 1 (min..max);")
-    print("of fastest = the row's fastest run / the fastest `none` run - 1")
+    print("of fastest = the row's fastest run / the fastest of its references (the none means above) - 1")
     header = (f"{'row':<24} {'ckpt every':>10} {'step ms':>8} {'min..max ms':>15} {'overhead':>9} "
               f"{'min..max %':>15} {'of fastest':>10} {'stall ms':>9} {'max stall':>9} {'MiB/ckpt':>9} {'MiB disk':>9}")
     print(header)

@@ -75,6 +75,8 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from megatier.config import split_overrides  # noqa: E402
+
 PARTS = ("replay", "classes", "all")
 CLASSES = ("software", "node", "rack")
 MIB = 1 << 20
@@ -113,11 +115,7 @@ SEED_TABLE3 = (
 # ---- arguments ----------------------------------------------------------------------------------
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = split_overrides(list(sys.argv[1:] if argv is None else argv))
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Hydra overrides for every run go after `--`.")

@@ -60,6 +60,7 @@ for path in (REPO, REPO / "scripts"):
         sys.path.insert(0, str(path))
 
 from launch_local_cluster import LocalCluster  # noqa: E402
+from megatier.config import split_overrides  # noqa: E402
 
 CLASSES = ("software", "node", "rack")
 CRASH_POINT = "train.step_end"
@@ -332,10 +333,7 @@ def final_problems(args, job: Job, recoveries: list[Recovery], final: dict, stat
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    overrides: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, overrides = argv[:i], argv[i + 1:]
+    argv, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Hydra overrides for the job go after --",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes (one torchrun agent each)")

@@ -217,7 +217,9 @@ class DcpAsyncSave(_Baseline):
         waited = self._wait()
         # Scalars are replicated on every rank: DCP writes them once.
         state = {**self.keyed, "step": step, "adam_steps": self.optimizer.adam_steps}
-        self._future = self._dcp.async_save(state, checkpoint_id=iter_dir(self.directory, step), process_group=self.group)
+        # sync_files=False: no fsync, like the other rows (DCP's default writer fsyncs every file).
+        writer = self._dcp.FileSystemWriter(iter_dir(self.directory, step), sync_files=False)
+        self._future = self._dcp.async_save(state, storage_writer=writer, process_group=self.group)
         self.checkpoints.append(step)
         return {"ckpt_bytes": self.bytes_per_checkpoint, "ckpt_wait_ms": 1000.0 * waited}
 

@@ -80,7 +80,8 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float,
     local = LocalTier(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault) if "local" in cfg.tiers else None
     remote = None
     if "remote" in cfg.tiers:
-        remote = open_remote_store(cfg.remote.url, cfg.job_id, endpoint_url=cfg.remote.endpoint_url)
+        remote = open_remote_store(cfg.remote.url, cfg.job_id, endpoint_url=cfg.remote.endpoint_url,
+                                   fsync=cfg.remote.fsync)
     # Rank 0 checks Tier-3 and mints the incarnation; everyone learns both at once.
     verdict: list = [None, None]
     if ps.rank == 0:

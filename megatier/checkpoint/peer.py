@@ -21,10 +21,12 @@ same tick (no cycle of waits can form around the ring):
    detected here and stop replication with an error instead of a hang.
 2. data: each transfer direction (a *leg*) is cut into chunks; chunk k of a leg
    moves at the first tick >= its due step. A diff batch is one chunk, due now.
-   A base at step v is paced: L = max(sender size, receiver size), T =
-   max(1, base_interval - margin) with margin max(1, base_interval // 5),
-   chunk = min(ceil(L / T), max_chunk_bytes), and chunk k of the sender's n is
-   due at v + 1 + floor(k * T / n). Both ends compute the same plan from the
+   A base at step v is handed over at v + 1 and paced from v + 2 on:
+   L = max(sender size, receiver size), T = max(1, base_interval - 2 - margin)
+   (the steps from v + 2 to the next base, less margin = max(1, base_interval //
+   5)), chunk = min(ceil(L / T), max_chunk_bytes), and chunk k of the sender's
+   n is due at v + 2 + floor(k * T / n): the last at v + base_interval - 1 -
+   margin at the latest. Both ends compute the same plan from the
    headers, so the receiver posts exactly the receives the sender sends. When the
    cap binds, several chunks fall into one step; T < base_interval leaves the
    margin for a slow peer. A new base (or a flush) forces every remaining chunk
@@ -79,8 +81,13 @@ _MAX_QUEUED_DIFFS = 2
 
 
 def chunk_plan(size: int, other_size: int, base_interval: int, max_chunk_bytes: int) -> tuple[int, int, int]:
-    """(chunk bytes, chunk count, steps T) of a paced base of ``size`` bytes; the larger payload sets the pace."""
-    span = max(1, base_interval - max(1, base_interval // 5))
+    """(chunk bytes, chunk count, steps T) of a paced base of ``size`` bytes; the larger payload sets the pace.
+
+    T counts from the first chunk's tick, two steps after the base's version
+    (hand-off at v + 1, chunks from v + 2), so the margin is really left before
+    the next base: a node failure late in the interval finds the replica whole.
+    """
+    span = max(1, base_interval - 2 - max(1, base_interval // 5))
     chunk = max(1, min(math.ceil(max(size, other_size) / span), max_chunk_bytes))
     return chunk, max(1, math.ceil(size / chunk)), span
 

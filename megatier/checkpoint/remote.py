@@ -19,11 +19,12 @@ from megatier.checkpoint.validation import check_remote_url
 
 def open_remote_store(url: str, job_id: str, *, endpoint_url: Optional[str] = None,
                       retry: RetryPolicy = RetryPolicy(), connect_timeout_s: float = 5.0,
-                      read_timeout_s: float = 60.0) -> ObjectStore:
+                      read_timeout_s: float = 60.0, fsync: bool = True) -> ObjectStore:
     """The store rooted at ``<url>/<job_id>/``; raises ConfigError for an unsupported url.
 
     Nothing is contacted here; call ``store.check()`` to fail fast on an
-    unreachable endpoint, a missing bucket or a read-only directory.
+    unreachable endpoint, a missing bucket or a read-only directory. ``fsync``
+    applies to directories only (S3 objects are durable once the PUT returns).
     """
     check_remote_url(url, endpoint_url)
     check_path_component(job_id, "checkpoint.job_id")
@@ -33,4 +34,4 @@ def open_remote_store(url: str, job_id: str, *, endpoint_url: Optional[str] = No
         return S3Store(parsed.netloc, prefix, endpoint_url=endpoint_url, retry=retry,
                        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
     path = parsed.path if parsed.scheme == "file" else url
-    return DirectoryStore(f"{path.rstrip('/')}/{job_id}")
+    return DirectoryStore(f"{path.rstrip('/')}/{job_id}", fsync=fsync)

@@ -84,12 +84,14 @@ class ShardAccess:
 
     def compress(self, step: int, grad: Optional[torch.Tensor], lr: float, adam_step: int, skipped: bool,
                  cfg: DiffStreamConfig) -> tuple[DiffStep, int]:
-        """One step's diff record from :meth:`consumed`'s values; returns it and its tensor bytes."""
+        """One step's diff record from :meth:`consumed`'s values; returns it and its tensor bytes.
+
+        Compresses where the gradient lives (on a GPU, the record is copied to
+        the host later, by the save thread, and is ~1% of the gradient's size).
+        """
         if skipped:
             # Nothing was applied (fp16 overflow); the flag alone replays it, including the scaler update.
             return DiffStep(step, lr, adam_step, True, {}, {}), 0
-        if grad.device.type != "cpu":
-            grad = grad.cpu()
         record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio, cfg.small_threshold,
                                        seed=step)
         tensors = {k: v.contiguous() for k, v in record.tensors.items()}

@@ -1,12 +1,13 @@
 """SaveWorker: the differential and base streams, serialized off the training loop's critical path.
 
-The loop hands over, per step, the gradient shard the optimizer consumed (a
-fresh tensor the optimizer never touches again, so no copy is needed) and,
-every base interval, a snapshot of the shard (copied by the loop, so training
-may overwrite the live state at once). This thread then, in submission order:
+The loop hands over, per step, the compressed record of the gradient shard the
+optimizer consumed (the loop compresses it: see CheckpointManager.after_step)
+and, every base interval, a snapshot of the shard (copied by the loop, so
+training may overwrite the live state at once). This thread then, in
+submission order:
 
-- compresses each step's gradient per parameter segment and appends it to the
-  open diff batch; a closed batch is serialized as one payload;
+- appends each step's record to the open diff batch; a closed batch is
+  serialized as one payload;
 - serializes each base once;
 - serializes every payload straight into its Tier-1 file (the node's memory)
   and queues a read-only map of that file for Tier-3 and, until the loop takes
@@ -23,35 +24,26 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from megatier.checkpoint.coordinator import chain_end
 from megatier.checkpoint.local import LocalTier
 from megatier.checkpoint.naming import BASE, PayloadId
-from megatier.checkpoint.payload import BaseState, DiffStep, EncodedPayload, PayloadDraft, ShardLayout, draft_base, draft_diff_batch
-from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.payload import (BaseState, DiffStep, EncodedPayload, PayloadDraft, ShardLayout, draft_base,
+                                         draft_diff_batch)
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.uploader import Uploader
-from megatier.config import DiffStreamConfig
 
 
 @dataclass
 class _DiffJob:
-    step: int
-    grad: Optional[torch.Tensor]
-    lr: float
-    adam_step: int
-    skipped: bool
+    record: DiffStep
     close_batch: bool
 
 
 class SaveWorker:
     """One rank's save thread; errors surface on the next call from the loop."""
 
-    def __init__(self, shard: ShardAccess, diff_cfg: DiffStreamConfig, *, job_id: str, layout: ShardLayout,
-                 local: Optional[LocalTier], uploader: Optional[Uploader], keep_for_peer: bool):
-        self.shard = shard
-        self.diff_cfg = diff_cfg
+    def __init__(self, *, job_id: str, layout: ShardLayout, local: Optional[LocalTier], uploader: Optional[Uploader],
+                 keep_for_peer: bool):
         self.job_id = job_id
         self.layout = layout
         self.local = local
@@ -74,10 +66,11 @@ class SaveWorker:
 
     # ---- called by the loop -----------------------------------------------------------------
 
-    def submit_diff(self, step: int, grad: Optional[torch.Tensor], lr: float, adam_step: int, skipped: bool,
-                    close_batch: bool) -> None:
-        nbytes = 0 if grad is None else grad.numel() * grad.element_size()
-        self._put(_DiffJob(step, grad, lr, adam_step, skipped, close_batch), nbytes)
+    def submit_diff(self, record: DiffStep, nbytes: int, close_batch: bool) -> None:
+        """Append one step's compressed record (``nbytes`` of tensors) to the open batch; maybe close it."""
+        with self._cv:
+            self.diff_bytes += nbytes
+        self._put(_DiffJob(record, close_batch), nbytes)
 
     def submit_base(self, state: BaseState) -> None:
         self._put(state, 3 * state.master.numel() * state.master.element_size())
@@ -157,10 +150,7 @@ class SaveWorker:
                 self._cv.notify_all()
 
     def _diff(self, job: _DiffJob) -> Optional[PayloadDraft]:
-        step, nbytes = self.shard.compress(job.step, job.grad, job.lr, job.adam_step, job.skipped, self.diff_cfg)
-        self._open.append(step)
-        with self._cv:
-            self.diff_bytes += nbytes
+        self._open.append(job.record)
         if not job.close_batch:
             return None
         batch, self._open = self._open, []

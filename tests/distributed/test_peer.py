@@ -129,8 +129,8 @@ def _drive_each(rank, world, nodes, root, scenarios):
 
 
 def test_base_chunks_are_paced_and_capped_without_stall(tmp_path):
-    # T = 10 - 2 = 8 steps. Paced: ~800 kB in 8 chunks of ~100 kB (far below the cap), one per step.
-    # Capped at 25 kB: 32-33 chunks, so 4-5 fall into each of the 8 steps; it still finishes.
+    # T = 10 - 2 - 2 = 6 steps. Paced: ~800 kB in 6 chunks of ~134 kB (far below the cap), one per step.
+    # Capped at 25 kB: 32-33 chunks, so 5-6 fall into each of the 6 steps; it still finishes.
     paced = (_Plan(20, bases={10: 800_000}, diff_every=5),
              {"base_interval": 10, "max_chunk": 1 << 20, "sleep": 0.02, "probes": ((10, 10), (14, 10))})
     capped = (_Plan(10, bases={0: 800_000}), {"base_interval": 10, "max_chunk": 25_000})
@@ -138,18 +138,18 @@ def test_base_chunks_are_paced_and_capped_without_stall(tmp_path):
     for rank, (p, c) in enumerate(results):
         _all_ok([p, c])
         assert sum(p["stalls"].values()) == 0.0 and sum(c["stalls"].values()) == 0.0, (p["stalls"], c["stalls"])
-        assert p["probes"] == {10: False, 14: False}, p["probes"]  # chunks 4..7 are due at steps 15..18
+        assert p["probes"] == {10: False, 14: False}, p["probes"]  # chunks 4..5 are due at steps 15..16
         chunks = [(step, n) for v, step, n in p["status"].base_chunks if v == 10]
-        assert chunks == [(step, 1) for step in range(11, 19)], chunks
+        assert chunks == [(step, 1) for step in range(11, 17)], chunks
 
         chunks = [(step, n) for v, step, n in c["status"].base_chunks if v == 0]
         size = 800_000 + 1000 * rank
         assert sum(n for _, n in chunks) == -(-size // 25_000), chunks  # every chunk at most the cap
-        assert {step for step, _ in chunks} == set(range(1, 9)) and max(n for _, n in chunks) >= 4, chunks
+        assert {step for step, _ in chunks} == set(range(1, 7)) and max(n for _, n in chunks) >= 5, chunks
 
 
 def test_new_base_before_previous_finished_flushes_synchronously(tmp_path):
-    # Base 0's 8-9 chunks are due at steps 1..8; base 3 arrives first: the rest go at step 3 (stall).
+    # Base 0's 8-9 chunks are due at steps 1..6; base 3 arrives first: the rest go at step 3 (stall).
     plan = _Plan(6, bases={0: 400_000, 3: 400_000})
     results = _world(tmp_path, plan, base_interval=10, max_chunk=50_000)
     _all_ok(results)
@@ -159,7 +159,7 @@ def test_new_base_before_previous_finished_flushes_synchronously(tmp_path):
         assert [s for s, t in r["stalls"].items() if t > 0] == [3], r["stalls"]
         sent = dict((step, n) for v, step, n in st.base_chunks if v == 0)
         assert sorted(sent) == [1, 2, 3] and sum(sent.values()) == -(-(400_000 + 1000 * rank) // 50_000), sent
-        assert sent[3] >= 5, sent  # what was due at steps 4..8 went at step 3
+        assert sent[3] >= 5, sent  # what was due at steps 3..6 went at step 3
         assert st.acked_units["base"] == PayloadId.base(3)
 
 
@@ -210,7 +210,7 @@ def _crashing_drive(rank, world, nodes, root, plan, kw):
 
 
 def test_sender_dying_mid_chunk_leaves_no_complete_replica(tmp_path):
-    plan = _Plan(6, bases={0: 400_000})  # 8 chunks due at steps 1..8
+    plan = _Plan(6, bases={0: 400_000})  # 6 chunks due at steps 1..6
     run = tmp_path / f"world-{uuid.uuid4().hex[:8]}"
     run.mkdir()
     args = (4, 2, str(tmp_path / "shm"), plan, {"base_interval": 10, "max_chunk": 1 << 20, "timeout_s": 2.0,
@@ -246,4 +246,4 @@ def test_ring_of_three_nodes_paces_with_both_neighbours_sizes(tmp_path):
     for rank, r in enumerate(results):
         assert len(r["replicas"]) == 7 and r["status"].acked_units["base"] == PayloadId.base(10)
         chunks = [(step, n) for v, step, n in r["status"].base_chunks if v == 0]
-        assert {step for step, _ in chunks} <= set(range(1, 5)), chunks  # T = 5 - 1 = 4 steps
+        assert {step for step, _ in chunks} <= set(range(1, 3)), chunks  # T = 5 - 2 - 1 = 2 steps

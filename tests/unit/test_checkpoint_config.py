@@ -28,11 +28,11 @@ def test_schema_has_the_documented_keys_and_defaults():
     assert leaf_keys(cfg) == {
         "enabled", "tiers", "base_interval", "diff.batch", "diff.compression", "diff.topk_ratio",
         "diff.small_threshold", "peer.max_chunk_mib", "local.root", "remote.url", "remote.endpoint_url",
-        "remote.keep_bases", "job_id", "memory_budget_gib", "allow_fresh_start"}
+        "remote.keep_bases", "remote.fsync", "job_id", "memory_budget_gib", "allow_fresh_start"}
     assert (cfg.base_interval, cfg.diff.batch, cfg.diff.compression, cfg.diff.topk_ratio) == (50, 5, "adaptive", 0.01)
     assert (cfg.diff.small_threshold, cfg.peer.max_chunk_mib, cfg.remote.keep_bases) == (100_000, 256, 2)
     assert cfg.local.root.startswith("/dev/shm/") and cfg.remote.url == "checkpoints"
-    assert cfg.allow_fresh_start is False
+    assert cfg.allow_fresh_start is False and cfg.remote.fsync is True
 
 
 def test_tiered_preset_composes_and_validates(compose_config, tmp_path):

@@ -168,3 +168,4 @@ def test_save_draft_crash_before_stamp_leaves_nothing_visible(tmp_path):
         tier.save_draft(draft_diff_batch(steps, job_id=JOB, layout=layout(0)))
     assert tier.list() == []
     assert tier.sweep_incomplete(0) == [PayloadId.diff(1, 5)]
+

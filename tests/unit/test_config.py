@@ -73,3 +73,12 @@ def test_cli_bad_override_gives_one_line_reason(tmp_path):
     assert errors == [
         "config error: model.num_heads=5 does not divide model.hidden_size=64; choose a head count that divides it"
     ]
+
+
+def test_split_overrides_takes_what_follows_the_first_double_dash():
+    from megatier.config import split_overrides
+
+    argv = ["--nodes", "2", "--", "model=tiny", "--", "x"]
+    assert split_overrides(argv) == (["--nodes", "2"], ["model=tiny", "--", "x"])
+    assert split_overrides(["--nodes", "2"]) == (["--nodes", "2"], [])
+    assert split_overrides(["--"]) == ([], [])
