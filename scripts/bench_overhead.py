@@ -47,7 +47,7 @@ within a 3.5% slowdown to be about 11 (Gemini, DataStates-LLM) and 21-22
 (CheckFreq), and Megatron users configure --save-interval in that range. Rows
 at K appear as ``<row>@K``.
 
-    python scripts/bench_overhead.py                                  # 53 runs, ~25 min on 2 cores
+    python scripts/bench_overhead.py                                  # 49 runs, ~20 min on 2 cores
     python scripts/bench_overhead.py --repeats 8 --rows none,megatier   # MegaTier alone, more pairs
     python scripts/bench_overhead.py --k 25 --rows none,megatier,sync_torch_save
     python scripts/bench_overhead.py --out-json bench.json -- train.global_batch_size=16
