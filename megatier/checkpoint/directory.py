@@ -130,14 +130,8 @@ class DirectoryStore(ObjectStore):
         return StoreUnavailable(f"{what} {self.describe(key)} failed: {e.strerror or e}; {hint}",
                                 transient=e.errno in (errno.EIO, errno.EAGAIN, errno.EINTR, errno.ESTALE))
 
-    def put(self, key: str, data: bytes) -> None:
-        partial = self.begin(key)
-        try:
-            partial.append(data)
-        except OSError as e:
-            partial.discard()
-            raise self._wrap(e, "writing", key) from e
-        self.publish(partial, key)
+    def put(self, key: str, data: Buffer) -> None:
+        self.put_pieces(key, (data,))
 
     def put_pieces(self, key: str, pieces: Iterable[Buffer]) -> None:
         """:meth:`put` of the concatenation of ``pieces``, written one after another (no joined copy)."""

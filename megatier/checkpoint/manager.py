@@ -194,10 +194,10 @@ class CheckpointManager:
         """One all-gather: every rank learns the watermark and every tier's recovery point."""
         ctx = self.ctx
         none = -1
+        t3 = newest = None
         if self.coordinator is not None:
-            self.coordinator.nudge()
-        t3 = self.coordinator.recovery_point() if self.coordinator is not None else None
-        newest = self.coordinator.newest_base() if self.coordinator is not None else None
+            self.coordinator.nudge()  # a batch just closed: its units may be complete soon
+            t3, newest = self.coordinator.recovery_point(), self.coordinator.newest_base()
         mine = torch.tensor([v if v is not None else none for v in
                              (self.worker.t1_point(), self._t2_point(), t3, newest)], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]

@@ -1,8 +1,9 @@
 """Checkpoint payloads: one rank's base or diff batch as safetensors bytes, plus its stamp.
 
 A payload is serialized once, straight into its Tier-1 file when there is a
-Tier-1 (else to bytes), and the same bytes go to every tier. Its :class:`Stamp` is stored beside it (a Tier-1 JSON
-file, a Tier-3 done marker and commit record) and carries the xxh64 of those
+Tier-1 (else to bytes), and the same bytes go to every tier. Its
+:class:`Stamp` is stored beside it (a Tier-1 JSON file, a Tier-3 done marker
+and commit record) and carries the xxh64 of those
 exact bytes, their size, the job id and the layout. The safetensors metadata
 (key ``"megatier"``, one JSON string) repeats the job id, the layout and the
 unit, so a payload separated from its stamp still says whose it is.
@@ -23,16 +24,16 @@ check identity (job id, layout, unit) against the stamp and the caller.
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Optional, Sequence, Union
+from typing import Any, BinaryIO, Optional, Sequence
 
 import safetensors.torch
 import torch
 import xxhash
 
 from megatier.checkpoint.naming import BASE, DIFF, PayloadId
+from megatier.checkpoint.store import Buffer
 
 FORMAT = 1
 _META_KEY = "megatier"
@@ -148,7 +149,7 @@ class EncodedPayload:
     deleted or replaced (it holds the old pages until it is dropped).
     """
 
-    data: Union[bytes, mmap.mmap]
+    data: Buffer
     stamp: Stamp
     # The open Tier-1 file ``data`` maps, if any: a file-system Tier-3 copies from it in the kernel.
     source: Optional[BinaryIO] = field(default=None, compare=False, repr=False)
