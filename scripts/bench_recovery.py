@@ -229,7 +229,7 @@ def batches(steps: list, n: int) -> list[list]:
 
 
 def encode_chain(steps: list, n: int, layout) -> list:
-    from megatier.checkpoint.payload import encode_diff_batch
+    from megatier.checkpoint.format.payload import encode_diff_batch
 
     return [encode_diff_batch(b, job_id="bench-recovery", layout=layout) for b in batches(steps, n)]
 
@@ -238,7 +238,7 @@ def encode_chain(steps: list, n: int, layout) -> list:
 
 def time_decode(payloads: list, layout) -> tuple[float, list]:
     """Seconds to verify and decode every payload (what a recovery does with the bytes a tier gave it)."""
-    from megatier.checkpoint.payload import decode_diff_batch, verify_payload
+    from megatier.checkpoint.format.payload import decode_diff_batch, verify_payload
 
     t = time.perf_counter()
     steps = []
@@ -290,7 +290,7 @@ def time_load_base(shard, base, repeats: int) -> float:
 
 def measure_chain(trainer, shard, base, diffs: list, lossless: list, chain: int, n: int, repeats: int) -> dict:
     """Every figure of one chain length except recompute (timed once for all lengths)."""
-    from megatier.checkpoint.payload import ShardLayout
+    from megatier.checkpoint.format.payload import ShardLayout
 
     layout = ShardLayout.from_parallel_state(trainer.ps)
     payloads = encode_chain(diffs[:chain], n, layout)

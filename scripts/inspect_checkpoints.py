@@ -21,11 +21,11 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from megatier.checkpoint.commit import CommitError, DoneMarker, RemoteReader, list_units, marker_key
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.payload import PayloadError, verify_payload
-from megatier.checkpoint.remote import open_remote_store
-from megatier.checkpoint.store import ObjectStore, RetryPolicy, StoreError
+from megatier.checkpoint.commit.records import CommitError, DoneMarker, RemoteReader, list_units, marker_key
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.payload import PayloadError, verify_payload
+from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.config import CheckpointConfig, ConfigError
 
 _DEFAULTS = CheckpointConfig()

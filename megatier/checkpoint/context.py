@@ -23,10 +23,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.payload import ShardLayout
-from megatier.checkpoint.remote import open_remote_store
-from megatier.checkpoint.store import ObjectStore
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.payload import ShardLayout
+from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.checkpoint.tiers.store import ObjectStore
 from megatier.checkpoint.validation import validate_checkpoint_config
 from megatier.config import CheckpointConfig
 from megatier.faults import FaultInjector

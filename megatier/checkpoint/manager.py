@@ -35,14 +35,14 @@ import torch
 import torch.distributed as dist
 
 from megatier.checkpoint.context import CheckpointContext
-from megatier.checkpoint.coordinator import Coordinator
-from megatier.checkpoint.naming import BASE, PayloadId, rank_name
-from megatier.checkpoint.peer import PeerReplicator
-from megatier.checkpoint.reclaim import local_reclaim_set
-from megatier.checkpoint.recovery import restore as recover
+from megatier.checkpoint.commit.coordinator import Coordinator
+from megatier.checkpoint.format.units import BASE, PayloadId, rank_name
+from megatier.checkpoint.tiers.replicator import PeerReplicator
+from megatier.checkpoint.reclaim.policy import local_reclaim_set
+from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.shard import ShardAccess
-from megatier.checkpoint.streams import SaveWorker
-from megatier.checkpoint.uploader import Uploader
+from megatier.checkpoint.save.worker import SaveWorker
+from megatier.checkpoint.commit.uploader import Uploader
 
 log = logging.getLogger(__name__)
 GC_MID_DELETE = "gc.mid_delete"

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatier import ops
-from megatier.checkpoint.payload import BaseState, DiffStep
+from megatier.checkpoint.format.payload import BaseState, DiffStep
 from megatier.config import DiffStreamConfig
 from megatier.ops.compression import CompressedRecord
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from megatier import ops
-from megatier.checkpoint.commit import RemoteReader, list_units
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import PayloadId
-from megatier.checkpoint.payload import ShardLayout, decode_base, decode_diff_batch
-from megatier.checkpoint.remote import open_remote_store
+from megatier.checkpoint.commit.records import RemoteReader, list_units
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.payload import ShardLayout, decode_base, decode_diff_batch
+from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.config import (CheckpointConfig, Config, DataConfig, DiffStreamConfig, LocalTierConfig, LoggingConfig,
                              ModelConfig, OptimConfig, ParallelConfig, RemoteTierConfig, TrainConfig, WandbConfig)
 from megatier.ops.compression import CompressedRecord

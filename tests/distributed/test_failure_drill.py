@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatier.checkpoint.commit import RemoteReader
-from megatier.checkpoint.remote import open_remote_store
+from megatier.checkpoint.commit.records import RemoteReader
+from megatier.checkpoint.tiers.remote import open_remote_store
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))

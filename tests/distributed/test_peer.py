@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import PayloadId
-from megatier.checkpoint.payload import EncodedPayload, ShardLayout, Stamp, checksum
-from megatier.checkpoint.peer import PeerReplicator
-from megatier.checkpoint.store import ObjectNotFound
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.payload import EncodedPayload, ShardLayout, Stamp, checksum
+from megatier.checkpoint.tiers.replicator import PeerReplicator
+from megatier.checkpoint.tiers.store import ObjectNotFound
 from megatier.faults import FaultInjector
 from tests.distributed.world import _worker, run_world
 

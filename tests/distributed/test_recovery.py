@@ -28,13 +28,13 @@ from filelock import FileLock
 from torch import nn
 
 from megatier import ops
-from megatier.checkpoint.commit import Committer, DoneMarker, list_units, marker_key, object_key
+from megatier.checkpoint.commit.records import Committer, DoneMarker, list_units, marker_key, object_key
 from megatier.checkpoint.context import build_context
-from megatier.checkpoint.inventory import RecoveryError
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import rank_name
-from megatier.checkpoint.payload import DiffStep, encode_base, encode_diff_batch
-from megatier.checkpoint.recovery import restore
+from megatier.checkpoint.recover.inventory import RecoveryError
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import rank_name
+from megatier.checkpoint.format.payload import DiffStep, encode_base, encode_diff_batch
+from megatier.checkpoint.recover.restore import restore
 from megatier.checkpoint.shard import ShardAccess
 from megatier.config import CheckpointConfig, DiffStreamConfig, LocalTierConfig, OptimConfig, RemoteTierConfig
 from megatier.optim.adamw import DistributedAdamW

@@ -8,14 +8,14 @@ import threading
 import pytest
 import torch
 
-from megatier.checkpoint.commit import (T3_BEFORE_COMMIT, CommitError, Committer, RemoteReader, commit_key,
+from megatier.checkpoint.commit.records import (T3_BEFORE_COMMIT, CommitError, Committer, RemoteReader, commit_key,
                                         marker_key, object_key)
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.naming import PayloadId
-from megatier.checkpoint.payload import (BaseState, DiffStep, PayloadError, ShardLayout, encode_base,
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.payload import (BaseState, DiffStep, PayloadError, ShardLayout, encode_base,
                                          encode_diff_batch)
-from megatier.checkpoint.store import ObjectNotFound, ObjectStore, RetryPolicy, TransientStoreError
-from megatier.checkpoint.uploader import T3_BEFORE_MARKER, Uploader, UploaderError
+from megatier.checkpoint.tiers.store import ObjectNotFound, ObjectStore, RetryPolicy, TransientStoreError
+from megatier.checkpoint.commit.uploader import T3_BEFORE_MARKER, Uploader, UploaderError
 from tests.unit.test_checkpoint_store import aws_env, moto_endpoint, remote_store, s3_url  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)
@@ -274,9 +274,9 @@ def test_corrupt_marker_and_commit_record_are_named(tmp_path, upload_all):
 
 
 def test_uploader_copies_mapped_payloads_beyond_its_cap_while_the_remote_is_down(tmp_path):
-    from megatier.checkpoint.local import LocalTier
-    from megatier.checkpoint.payload import draft_diff_batch
-    from megatier.checkpoint.uploader import MAPPED_QUEUE_CAP
+    from megatier.checkpoint.tiers.node_memory import LocalTier
+    from megatier.checkpoint.format.payload import draft_diff_batch
+    from megatier.checkpoint.commit.uploader import MAPPED_QUEUE_CAP
 
     tier = LocalTier(str(tmp_path / "t1"), JOB, "node0")
     down = FlakyStore(DirectoryStore(str(tmp_path / "t3")), failures=10**9)

@@ -3,10 +3,10 @@ import time
 
 import pytest
 
-from megatier.checkpoint.commit import RemoteReader, list_units
-from megatier.checkpoint.coordinator import Coordinator, chain_end
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.naming import PayloadId
+from megatier.checkpoint.commit.records import RemoteReader, list_units
+from megatier.checkpoint.commit.coordinator import Coordinator, chain_end
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.format.units import PayloadId
 from tests.unit.test_checkpoint_commit import FAST, JOB, WORLD, base, diff, upload_all  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from megatier.checkpoint.commit import Committer, DoneMarker, marker_key, object_key
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.local import T1_MID_WRITE, LocalTier
-from megatier.checkpoint.naming import PayloadId
-from megatier.checkpoint.payload import BaseState, DiffStep, ShardLayout, encode_base, encode_diff_batch
+from megatier.checkpoint.commit.records import Committer, DoneMarker, marker_key, object_key
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.tiers.node_memory import T1_MID_WRITE, LocalTier
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.payload import BaseState, DiffStep, ShardLayout, encode_base, encode_diff_batch
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 
-from megatier.checkpoint.local import T1_MID_WRITE, LocalTier
-from megatier.checkpoint.naming import PayloadId
-from megatier.checkpoint.payload import (BaseState, DiffStep, PayloadError, ShardLayout, decode_base,
+from megatier.checkpoint.tiers.node_memory import T1_MID_WRITE, LocalTier
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.payload import (BaseState, DiffStep, PayloadError, ShardLayout, decode_base,
                                          encode_base, encode_diff_batch)
-from megatier.checkpoint.store import ObjectNotFound
+from megatier.checkpoint.tiers.store import ObjectNotFound
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -138,8 +138,8 @@ def test_bad_node_or_job_names_are_refused(tmp_path):
 
 
 def test_save_draft_writes_once_into_tier1_and_hands_out_that_file(tmp_path):
-    from megatier.checkpoint.directory import DirectoryStore
-    from megatier.checkpoint.payload import draft_base
+    from megatier.checkpoint.tiers.directory import DirectoryStore
+    from megatier.checkpoint.format.payload import draft_base
 
     n = 1000
     state = BaseState(50, 50, torch.randn(n), torch.randn(n), torch.rand(n), {}, None, {"consumed_samples": 50})
@@ -160,7 +160,7 @@ def test_save_draft_writes_once_into_tier1_and_hands_out_that_file(tmp_path):
 
 
 def test_save_draft_crash_before_stamp_leaves_nothing_visible(tmp_path):
-    from megatier.checkpoint.payload import draft_diff_batch
+    from megatier.checkpoint.format.payload import draft_diff_batch
 
     steps = [DiffStep(s, 1e-3, s, False, {"g": torch.full((4,), float(s))}, {}) for s in range(1, 6)]
     tier = LocalTier(str(tmp_path), JOB, "node0", fault_hook=crash_at(T1_MID_WRITE))

@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from megatier.checkpoint.naming import PayloadId
-from megatier.checkpoint.payload import (BaseState, DiffStep, EncodedPayload, PayloadError, ShardLayout, Stamp,
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.payload import (BaseState, DiffStep, EncodedPayload, PayloadError, ShardLayout, Stamp,
                                          checksum, decode_base, decode_diff_batch, encode_base, encode_diff_batch,
                                          read_metadata, verify_payload)
 
@@ -177,7 +177,7 @@ def test_compressed_gradient_records_survive_a_diff_batch():
 def test_draft_pieces_are_a_safetensors_file_for_every_payload_dtype():
     import safetensors.torch
 
-    from megatier.checkpoint.payload import PayloadDraft
+    from megatier.checkpoint.format.payload import PayloadDraft
 
     storage = torch.arange(10, dtype=torch.float32)
     tensors = {"f32": storage[2:7], "alias": storage[:3], "bf16": torch.randn(5).to(torch.bfloat16),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatier.checkpoint.peer import chunk_plan
+from megatier.checkpoint.tiers.replicator import chunk_plan
 
 
 @pytest.mark.parametrize("base_interval", [2, 3, 5, 10, 20, 50, 200])

@@ -6,13 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatier.checkpoint.commit import (Committer, DoneMarker, RemoteReader, commit_key, list_units, marker_key,
+from megatier.checkpoint.commit.records import (Committer, DoneMarker, RemoteReader, commit_key, list_units, marker_key,
                                         object_key)
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import BASE, DIFF, PayloadId
-from megatier.checkpoint.payload import BaseState, DiffStep, ShardLayout, encode_base, encode_diff_batch
-from megatier.checkpoint.reclaim import local_reclaim_set, reclaim_local, reclaim_remote, remote_reclaim_set
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.format.payload import BaseState, DiffStep, ShardLayout, encode_base, encode_diff_batch
+from megatier.checkpoint.reclaim.policy import local_reclaim_set, reclaim_local, reclaim_remote, remote_reclaim_set
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ import uuid
 import boto3
 import pytest
 
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.remote import open_remote_store
-from megatier.checkpoint.s3 import S3Store
-from megatier.checkpoint.store import (ObjectNotFound, RetryPolicy, StoreError, StoreUnavailable,
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.checkpoint.tiers.s3 import S3Store
+from megatier.checkpoint.tiers.store import (ObjectNotFound, RetryPolicy, StoreError, StoreUnavailable,
                                        TransientStoreError, retry_call)
 from megatier.config import ConfigError
 
@@ -116,7 +116,7 @@ def test_directory_crash_mid_write_leaves_nothing_visible(tmp_path, monkeypatch)
     def crash(fd):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("megatier.checkpoint.directory.os.fsync", crash)
+    monkeypatch.setattr("megatier.checkpoint.tiers.directory.os.fsync", crash)
     with pytest.raises(StoreError, match="k/obj.*Input/output error"):
         store.put("k/obj", b"new bytes")
     with pytest.raises(StoreError):

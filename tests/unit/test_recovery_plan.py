@@ -6,14 +6,14 @@ import logging
 import pytest
 import torch
 
-from megatier.checkpoint.commit import Committer, DoneMarker, marker_key, object_key
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.inventory import (TIER1, TIER2, TIER3, Copy, NodeReport, RecoveryError, RemoteReport,
+from megatier.checkpoint.commit.records import Committer, DoneMarker, marker_key, object_key
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.recover.inventory import (TIER1, TIER2, TIER3, Copy, NodeReport, RecoveryError, RemoteReport,
                                            cascade, collect_copies, decide, failure_class, has_traces, list_node,
                                            list_remote, recovery_record)
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import PayloadId, rank_name
-from megatier.checkpoint.payload import BaseState, ShardLayout, Stamp, encode_base
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import PayloadId, rank_name
+from megatier.checkpoint.format.payload import BaseState, ShardLayout, Stamp, encode_base
 
 pytestmark = pytest.mark.timeout(60)
 

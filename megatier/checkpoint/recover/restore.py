@@ -59,16 +59,16 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from megatier.checkpoint.commit import RemoteReader, list_units
+from megatier.checkpoint.commit.records import RemoteReader, list_units
 from megatier.checkpoint.context import CheckpointContext
-from megatier.checkpoint.inventory import (TIER1, TIER2, TIER3, PROGRESS_PREFIX, Consensus, Copy, RecoveryError,
+from megatier.checkpoint.recover.inventory import (TIER1, TIER2, TIER3, PROGRESS_PREFIX, Consensus, Copy, RecoveryError,
                                            cascade, collect_copies, decide, has_traces, list_node, list_remote,
                                            recovery_record)
-from megatier.checkpoint.naming import BASE, PayloadId, parse_rank_name
-from megatier.checkpoint.payload import (EncodedPayload, PayloadError, decode_base, decode_diff_batch,
+from megatier.checkpoint.format.units import BASE, PayloadId, parse_rank_name
+from megatier.checkpoint.format.payload import (EncodedPayload, PayloadError, decode_base, decode_diff_batch,
                                          verify_payload)
 from megatier.checkpoint.shard import ShardAccess
-from megatier.checkpoint.store import StoreError
+from megatier.checkpoint.tiers.store import StoreError
 
 log = logging.getLogger(__name__)
 

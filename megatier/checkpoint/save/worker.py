@@ -24,13 +24,13 @@ import threading
 from dataclasses import dataclass
 from typing import Optional
 
-from megatier.checkpoint.coordinator import chain_end
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import BASE, PayloadId
-from megatier.checkpoint.payload import (BaseState, DiffStep, EncodedPayload, PayloadDraft, ShardLayout, draft_base,
+from megatier.checkpoint.commit.coordinator import chain_end
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.format.payload import (BaseState, DiffStep, EncodedPayload, PayloadDraft, ShardLayout, draft_base,
                                          draft_diff_batch)
 from megatier.checkpoint.threads import helper_thread
-from megatier.checkpoint.uploader import Uploader
+from megatier.checkpoint.commit.uploader import Uploader
 
 
 @dataclass

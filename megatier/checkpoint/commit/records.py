@@ -32,9 +32,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatier.checkpoint.naming import FaultHook, PayloadId, rank_name
-from megatier.checkpoint.payload import FORMAT, EncodedPayload, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.store import ObjectNotFound, ObjectStore
+from megatier.checkpoint.format.units import FaultHook, PayloadId, rank_name
+from megatier.checkpoint.format.payload import FORMAT, EncodedPayload, PayloadError, Stamp, verify_payload
+from megatier.checkpoint.tiers.store import ObjectNotFound, ObjectStore
 
 T3_BEFORE_COMMIT = "t3.before_commit"
 COMMITTED = "_COMMITTED"

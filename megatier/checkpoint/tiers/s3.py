@@ -27,7 +27,7 @@ from botocore.config import Config
 from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
                                  ParamValidationError, PartialCredentialsError)
 
-from megatier.checkpoint.store import (ObjectNotFound, ObjectStore, RetryPolicy, StoreError, StoreUnavailable,
+from megatier.checkpoint.tiers.store import (ObjectNotFound, ObjectStore, RetryPolicy, StoreError, StoreUnavailable,
                                        TransientStoreError, check_key, retry_call)
 
 T = TypeVar("T")

@@ -1,6 +1,6 @@
 """Recovery inventory and consensus: which copies of which units exist where, and what every rank can reach.
 
-Listing (collective-free, called by :mod:`megatier.checkpoint.recovery`):
+Listing (collective-free, called by :mod:`megatier.checkpoint.recover.restore`):
 :func:`list_node` reads one node's Tier-1 area (own and replica areas of every
 owner, complete entries only) and its progress keys; :func:`list_remote` reads
 Tier-3's committed units once. Every rank then holds the same all-gathered
@@ -30,11 +30,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from megatier.checkpoint.commit import COMMITTED, CommitRecord, commit_key, list_units
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import BASE, PayloadId, parse_rank_name
-from megatier.checkpoint.payload import PayloadError, Stamp
-from megatier.checkpoint.store import ObjectStore, StoreError
+from megatier.checkpoint.commit.records import COMMITTED, CommitRecord, commit_key, list_units
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import BASE, PayloadId, parse_rank_name
+from megatier.checkpoint.format.payload import PayloadError, Stamp
+from megatier.checkpoint.tiers.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
 

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from megatier.checkpoint.commit import COMMITTED, list_units
-from megatier.checkpoint.local import LocalTier
-from megatier.checkpoint.naming import BASE, DIFF, PayloadId
-from megatier.checkpoint.store import ObjectStore
+from megatier.checkpoint.commit.records import COMMITTED, list_units
+from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.tiers.store import ObjectStore
 
 
 def local_reclaim_set(held: Iterable[PayloadId], watermark: Optional[int]) -> set[PayloadId]:

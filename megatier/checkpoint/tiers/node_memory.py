@@ -27,10 +27,10 @@ from typing import Optional
 
 import xxhash
 
-from megatier.checkpoint.directory import DirectoryStore, PartialFile
-from megatier.checkpoint.naming import FaultHook, PayloadId, check_path_component, parse_rank_name, rank_name
-from megatier.checkpoint.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.store import ObjectNotFound
+from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
+from megatier.checkpoint.format.units import FaultHook, PayloadId, check_path_component, parse_rank_name, rank_name
+from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
+from megatier.checkpoint.tiers.store import ObjectNotFound
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 ``url`` is a directory path (relative paths resolve against the working
 directory), ``file:///path``, or ``s3://bucket[/prefix]``. Every job lives
-under ``<url>/<job_id>/``; see :mod:`megatier.checkpoint.commit` for the layout
+under ``<url>/<job_id>/``; see :mod:`megatier.checkpoint.commit.records` for the layout
 inside.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 from typing import Optional
 from urllib.parse import urlparse
 
-from megatier.checkpoint.directory import DirectoryStore
-from megatier.checkpoint.naming import check_path_component
-from megatier.checkpoint.s3 import S3Store
-from megatier.checkpoint.store import ObjectStore, RetryPolicy
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.format.units import check_path_component
+from megatier.checkpoint.tiers.s3 import S3Store
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy
 from megatier.checkpoint.validation import check_remote_url
 
 

@@ -2,7 +2,7 @@
 
 For each submitted payload, in submission order: upload the object, call the
 ``t3.before_marker`` fault point, then write the rank's done marker (see
-:mod:`megatier.checkpoint.commit`). Store failures are retried with
+:mod:`megatier.checkpoint.commit.records`). Store failures are retried with
 exponential backoff and jitter for as long as the uploader is open: when Tier-3
 is down, training goes on, the queue grows (``pending_bytes``; the caller
 enforces its memory budget) and ``status()`` reports the last error.
@@ -21,10 +21,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
-from megatier.checkpoint.commit import DoneMarker, marker_key, object_key
-from megatier.checkpoint.naming import FaultHook, PayloadId
-from megatier.checkpoint.payload import EncodedPayload
-from megatier.checkpoint.store import ObjectStore, RetryPolicy, StoreError
+from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
+from megatier.checkpoint.format.units import FaultHook, PayloadId
+from megatier.checkpoint.format.payload import EncodedPayload
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.threads import helper_thread
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The coordinator: global rank 0's background thread for Tier-3 phase 2 and Tier-3 reclamation.
 
 Commits and reclamation run in this one thread so a unit is never committed
-while its objects are being deleted (see :class:`~megatier.checkpoint.commit.Committer`).
+while its objects are being deleted (see :class:`~megatier.checkpoint.commit.records.Committer`).
 The thread polls the store: it commits every unit whose done markers are all
 in, then, once the training loop has published a higher watermark, deletes
 what the watermark made obsolete. Store failures are logged and retried on the
@@ -21,10 +21,10 @@ import threading
 import time
 from typing import Optional
 
-from megatier.checkpoint.commit import Committer, list_units
-from megatier.checkpoint.naming import BASE, FaultHook
-from megatier.checkpoint.reclaim import reclaim_remote
-from megatier.checkpoint.store import ObjectStore, StoreError
+from megatier.checkpoint.commit.records import Committer, list_units
+from megatier.checkpoint.format.units import BASE, FaultHook
+from megatier.checkpoint.reclaim.policy import reclaim_remote
+from megatier.checkpoint.tiers.store import ObjectStore, StoreError
 from megatier.checkpoint.threads import helper_thread
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,8 @@ import safetensors.torch
 import torch
 import xxhash
 
-from megatier.checkpoint.naming import BASE, DIFF, PayloadId
-from megatier.checkpoint.store import Buffer
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.tiers.store import Buffer
 
 FORMAT = 1
 _META_KEY = "megatier"

@@ -66,10 +66,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatier.checkpoint.local import LocalTier, ReplicaWriter
-from megatier.checkpoint.naming import BASE, DIFF, FaultHook, PayloadId
-from megatier.checkpoint.payload import EncodedPayload, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.store import StoreError
+from megatier.checkpoint.tiers.node_memory import LocalTier, ReplicaWriter
+from megatier.checkpoint.format.units import BASE, DIFF, FaultHook, PayloadId
+from megatier.checkpoint.format.payload import EncodedPayload, PayloadError, Stamp, verify_payload
+from megatier.checkpoint.tiers.store import StoreError
 from megatier.checkpoint.threads import helper_thread
 
 log = logging.getLogger(__name__)
