@@ -107,6 +107,13 @@ setup(
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
+    entry_points={"console_scripts": [
+        "megatier-drill=megatier.cli.drill:main",
+        "megatier-inspect=megatier.cli.inspect:main",
+        "megatier-launch=megatier.cli.launch:main",
+        "megatier-preprocess=megatier.cli.preprocess:main",
+        "megatier-topology=megatier.cli.topology:main",
+    ]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,
 )

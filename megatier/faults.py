@@ -4,40 +4,46 @@
 
 kills this process with SIGKILL (no cleanup, no flush: a real crash) the first
 time code reaches ``point`` for a step or version at or after ``step``, on
-``rank`` only when given, else on every rank that gets there. Checkpoint code
-calls :meth:`FaultInjector.hit` at each point; when nothing is armed that is
-one string comparison.
-
-Points (where the crash lands, what it proves):
-  t1.mid_write                         a Tier-1 payload written, its stamp not: the unit stays invisible
-  t2.mid_chunk                         a paced base replica half sent: the receiver discards it
-  t3.before_marker                     a rank's Tier-3 object uploaded, its done marker not: no commit
-  t3.before_commit                     every marker in, ``_COMMITTED`` not written: no commit
-  t3.after_commit_before_watermark     committed on Tier-3, the watermark not yet advanced
-  gc.mid_delete                        reclamation interrupted between two deletions
-  replay.mid_batch                     recovery killed while replaying the diff chain
-  train.step_end                       the training process dies after step S and its checkpoint hand-off:
-                                       how failure_drill.py kills a node's processes at a known step
+``rank`` only when given, else on every rank that gets there. Code calls a
+:data:`FaultHook` at each point (a :class:`FaultInjector`, or :func:`no_faults`
+in code paths built without one); when nothing is armed that is one
+comparison.
 """
 from __future__ import annotations
 
+import enum
 import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 ENV = "MEGATIER_CRASH_AT"
-CRASH_POINTS = (
-    "t1.mid_write",
-    "t2.mid_chunk",
-    "t3.before_marker",
-    "t3.before_commit",
-    "t3.after_commit_before_watermark",
-    "gc.mid_delete",
-    "replay.mid_batch",
-    "train.step_end",
-)
+
+
+class CrashPoint(str, enum.Enum):
+    """Every point a drill can crash at, with where it lands and what it proves."""
+
+    T1_MID_WRITE = "t1.mid_write"  # a Tier-1 payload written, its stamp not: the unit stays invisible
+    T2_MID_CHUNK = "t2.mid_chunk"  # a paced base replica half sent: the receiver discards it
+    T3_BEFORE_MARKER = "t3.before_marker"  # a rank's Tier-3 object uploaded, its done marker not: no commit
+    T3_BEFORE_COMMIT = "t3.before_commit"  # every marker in, ``_COMMITTED`` not written: no commit
+    T3_AFTER_COMMIT = "t3.after_commit_before_watermark"  # committed on Tier-3, the watermark not yet advanced
+    GC_MID_DELETE = "gc.mid_delete"  # reclamation interrupted between two deletions
+    REPLAY_MID_BATCH = "replay.mid_batch"  # recovery killed while replaying the diff chain
+    # The training process dies after step S and its checkpoint hand-off: how the drill kills a node at S.
+    TRAIN_STEP_END = "train.step_end"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# hook(point, step_or_version): called at a crash point; it may kill the process (or raise, in tests).
+FaultHook = Callable[[CrashPoint, int], None]
+
+
+def no_faults(point: CrashPoint, step: int) -> None:
+    """The hook of code paths that inject nothing."""
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,7 @@ class FaultInjector:
     """Crashes this process at an armed point; a disarmed injector (``point is None``) does nothing."""
 
     rank: int
-    point: Optional[str] = None
+    point: Optional[CrashPoint] = None
     step: int = 0
     only_rank: Optional[int] = None
 
@@ -56,22 +62,23 @@ class FaultInjector:
         if not spec:
             return cls(rank)
         parts = spec.split(":")
-        usage = (f"{ENV}={spec!r} is not <point>:<step>[:<rank>] with point one of {', '.join(CRASH_POINTS)}; "
-                 f"fix or unset it")
-        if len(parts) not in (2, 3) or parts[0] not in CRASH_POINTS:
-            raise ValueError(usage)
+        names = ", ".join(p.value for p in CrashPoint)
+        usage = f"{ENV}={spec!r} is not <point>:<step>[:<rank>] with point one of {names}; fix or unset it"
         try:
+            if len(parts) not in (2, 3):
+                raise ValueError
+            point = CrashPoint(parts[0])
             step = int(parts[1])
             only_rank = int(parts[2]) if len(parts) == 3 else None
         except ValueError:
             raise ValueError(usage) from None
-        return cls(rank, parts[0], step, only_rank)
+        return cls(rank, point, step, only_rank)
 
     @property
     def armed(self) -> bool:
         return self.point is not None and (self.only_rank is None or self.only_rank == self.rank)
 
-    def hit(self, point: str, step: int) -> None:
+    def hit(self, point: CrashPoint, step: int) -> None:
         """Crash here if ``point`` is armed for ``step`` (at or after the armed step) on this rank."""
         if point != self.point or not self.armed or step < self.step:
             return
@@ -79,5 +86,5 @@ class FaultInjector:
         sys.stderr.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 
-    # The checkpoint mechanism takes a plain ``hook(point, version)`` callable.
+    # Mechanism code takes a plain FaultHook callable.
     __call__ = hit

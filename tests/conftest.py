@@ -1,14 +1,19 @@
-"""Shared fixtures: a small byte-level corpus, composed configs, a single-process group."""
+"""Shared fixtures: a small byte-level corpus, composed configs, a single-process group, S3 on moto."""
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.checkpoint.tiers.store import RetryPolicy
+
 REPO = Path(__file__).resolve().parents[1]
+FAST_RETRY = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.05)
 
 
 @pytest.fixture(scope="session")
@@ -74,3 +79,43 @@ def _offline(monkeypatch):
     monkeypatch.setenv("WANDB_MODE", os.environ.get("WANDB_MODE", "offline"))
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """http://127.0.0.1:<port> of a moto S3 server running in a thread for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws_env(monkeypatch):
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+@pytest.fixture
+def s3_url(moto_endpoint, aws_env):
+    """A fresh bucket; returns (url, endpoint)."""
+    import boto3
+
+    bucket = f"bkt-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=moto_endpoint).create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/runs", moto_endpoint
+
+
+@pytest.fixture(params=["dir", "s3"])
+def remote_store(request, tmp_path):
+    """The job's Tier-3 store through open_remote_store, once per backend."""
+    if request.param == "dir":
+        return open_remote_store(str(tmp_path / "remote"), "job1")
+    url, endpoint = request.getfixturevalue("s3_url")
+    return open_remote_store(url, "job1", endpoint_url=endpoint, retry=FAST_RETRY)

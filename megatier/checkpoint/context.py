@@ -1,105 +1,114 @@
 """CheckpointContext: everything the save and recovery paths share, built once per launch.
 
-Built collectively (every rank calls :func:`build_context` in the same order,
+:func:`build_context` is collective (every rank calls it in the same order,
 because it creates a process group and agrees on an incarnation token). After
-that, the manager, the Tier-2 replicator and recovery read it; none of them
-looks at the trainer's config or globals.
+that, the manager and recovery read the context; neither looks at the
+trainer's config or at globals. Tests build a context directly, with
+in-memory tiers and a :class:`~megatier.checkpoint.comm.SoloComm`.
 
 Process groups (both gloo, both over every rank, both with the job's timeout):
-  control_group   main-thread checkpoint collectives: inventory and plan at
+  control group   main-thread checkpoint collectives: inventory and plan at
                   restore, the periodic watermark / recovery-point reduction
-  peer_group      used by exactly one thread at a time: recovery's Tier-2
-                  transfers before the loop starts, then only the Tier-2
-                  replicator's background thread. Keeping it apart means a
-                  paced transfer never interleaves with a main-thread collective.
+  transfer group  used by exactly one thread at a time: recovery's transfers
+                  before the loop starts, then only the Tier-2 replicator's
+                  background thread. Keeping it apart means a paced transfer
+                  never interleaves with a main-thread collective.
 """
 from __future__ import annotations
 
 import secrets
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from megatier.checkpoint.tiers.node_memory import LocalTier
-from megatier.checkpoint.format.payload import ShardLayout
-from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.checkpoint.comm import CheckpointComm, GroupComm
+from megatier.checkpoint.format.layout import ShardLayout
+from megatier.checkpoint.tiers.base import Tier
+from megatier.checkpoint.tiers.local import LocalTier
+from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.checkpoint.tiers.peer import PeerTier
+from megatier.checkpoint.tiers.remote import RemoteTier, open_remote_store
+from megatier.checkpoint.tiers.replicator import PeerReplicator
 from megatier.checkpoint.tiers.store import ObjectStore
-from megatier.checkpoint.validation import validate_checkpoint_config
 from megatier.config import CheckpointConfig
-from megatier.faults import FaultInjector
+from megatier.faults import FaultHook, FaultInjector, no_faults
 
 
 @dataclass
 class CheckpointContext:
-    """The checkpoint system's view of this rank, its node, its ring peers and the tiers."""
+    """The checkpoint system's view of this rank: its config, identity, node, tiers and collectives."""
 
-    cfg: CheckpointConfig  # effective config: the peer tier is dropped on one node
-    job_id: str
+    cfg: CheckpointConfig  # the run's effective config (what it wrote to config.yaml)
     layout: ShardLayout
-    rank: int
-    world_size: int
-    node_name: str
-    num_nodes: int
-    local_rank: int
-    # Tier-2 ring (None when the peer tier is off): we send our replica to the holder and keep the owner's.
-    replica_holder_rank: Optional[int]
-    replica_owner_rank: Optional[int]
-    local: Optional[LocalTier]
-    remote: Optional[ObjectStore]
-    control_group: dist.ProcessGroup = field(repr=False)
-    peer_group: dist.ProcessGroup = field(repr=False)
-    incarnation: str
-    fault: FaultInjector
-    timeout_s: float
-
-    def has(self, tier: str) -> bool:
-        return tier in self.cfg.tiers
+    node: str
+    tiers: list[Tier]  # cheapest first: the order of the recovery cascade
+    comm: CheckpointComm
+    fault: FaultHook = no_faults
+    timeout_s: float = 600.0
 
     @property
-    def is_coordinator(self) -> bool:
-        """Global rank 0 writes commit records and reclaims Tier-3."""
-        return self.rank == 0
+    def job_id(self) -> str:
+        return self.cfg.job_id
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.layout.world_size
 
 
-def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float,
-                  fault: Optional[FaultInjector] = None) -> CheckpointContext:
-    """Validate ``cfg`` for this job, open the tiers, agree on an incarnation; collective over all ranks.
+def _agree_on_start(store: Optional[ObjectStore], url: str, comm: CheckpointComm) -> str:
+    """Rank 0 checks Tier-3 and mints the launch's incarnation token; every rank learns both or fails."""
+    verdict: list = [None, None]
+    if comm.rank == 0:
+        verdict[1] = f"{uuid.uuid4().hex[:12]}{secrets.token_hex(2)}"
+        if store is not None:
+            try:
+                store.check()
+            except Exception as e:  # any failure here must reach every rank, not only rank 0
+                verdict[0] = f"checkpoint.remote.url={url!r} is not usable: {e}"
+    error, incarnation = comm.gather(verdict)[0]
+    if error is not None:
+        raise RuntimeError(error)
+    return incarnation
+
+
+def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
+                  remote_store: Optional[ObjectStore] = None) -> CheckpointContext:
+    """Open the tiers of ``cfg`` (already validated and made effective for this topology) on every rank.
 
     ``ps`` is the job's ParallelState. Unreachable or unwritable tiers fail here,
-    before any training work, on every rank (rank 0 checks Tier-3 and the
-    verdict is broadcast so no rank is left waiting).
+    before any training work, on every rank. ``remote_store`` replaces the store
+    that ``checkpoint.remote.url`` names (tests: a store that fails on purpose).
     """
-    cfg = validate_checkpoint_config(cfg, ps.num_nodes)
+    if "peer" in cfg.tiers and ps.num_nodes < 2:
+        raise ValueError("checkpoint.tiers has peer on a one-node job; build the context from the effective "
+                         "config (megatier.config.effective_checkpoint_config)")
     fault = fault if fault is not None else FaultInjector.from_env(ps.rank)
-    timeout = timedelta(seconds=timeout_s)
-    peer_group = dist.new_group(list(range(ps.world_size)), timeout=timeout, backend="gloo")
-    control_group = ps.checkpoint_group
-    local = LocalTier(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault) if "local" in cfg.tiers else None
-    remote = None
-    if "remote" in cfg.tiers:
-        remote = open_remote_store(cfg.remote.url, cfg.job_id, endpoint_url=cfg.remote.endpoint_url,
-                                   fsync=cfg.remote.fsync)
-    # Rank 0 checks Tier-3 and mints the incarnation; everyone learns both at once.
-    verdict: list = [None, None]
-    if ps.rank == 0:
-        verdict[1] = f"{uuid.uuid4().hex[:12]}{secrets.token_hex(2)}"
-        if remote is not None:
-            try:
-                remote.check()
-            except Exception as e:  # any failure here must reach every rank, not only rank 0
-                verdict[0] = f"checkpoint.remote.url={cfg.remote.url!r} is not usable: {e}"
-    dist.broadcast_object_list(verdict, src=0, group=control_group)
-    if verdict[0] is not None:
-        raise RuntimeError(verdict[0])
-    peer_on = "peer" in cfg.tiers
-    return CheckpointContext(
-        cfg=cfg, job_id=cfg.job_id, layout=ShardLayout.from_parallel_state(ps), rank=ps.rank,
-        world_size=ps.world_size, node_name=ps.node_name, num_nodes=ps.num_nodes, local_rank=ps.local_rank,
-        replica_holder_rank=ps.replica_holder_rank if peer_on else None,
-        replica_owner_rank=ps.replica_owner_rank if peer_on else None,
-        local=local, remote=remote, control_group=control_group, peer_group=peer_group,
-        incarnation=verdict[1], fault=fault, timeout_s=timeout_s,
-    )
+    transfer_group = dist.new_group(list(range(ps.world_size)), timeout=timedelta(seconds=timeout_s), backend="gloo")
+    comm = GroupComm(ps.checkpoint_group, transfer_group, timeout_s)
+    store = remote_store
+    if "remote" in cfg.tiers and store is None:
+        store = open_remote_store(cfg.remote.url, cfg.job_id, endpoint_url=cfg.remote.endpoint_url,
+                                  fsync=cfg.remote.fsync)
+    incarnation = _agree_on_start(store, cfg.remote.url, comm)
+    tiers: list[Tier] = []
+    if "local" in cfg.tiers:
+        memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
+        tiers.append(LocalTier(memory, ps.rank, fault=fault))
+        if "peer" in cfg.tiers and ps.replica_holder_rank is not None:
+            replicator = PeerReplicator(memory, rank=ps.rank, holder_rank=ps.replica_holder_rank,
+                                        owner_rank=ps.replica_owner_rank, group=transfer_group,
+                                        base_interval=cfg.base_interval,
+                                        max_chunk_bytes=int(cfg.peer.max_chunk_mib * (1 << 20)),
+                                        timeout_s=timeout_s, fault_hook=fault)
+            tiers.append(PeerTier(memory, replicator, fault=fault))
+    if store is not None:
+        tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
+                                incarnation=incarnation, keep_bases=cfg.remote.keep_bases, fault=fault))
+    return CheckpointContext(cfg, ShardLayout.from_parallel_state(ps), ps.node_name, tiers, comm, fault, timeout_s)

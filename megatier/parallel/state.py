@@ -25,6 +25,16 @@ import torch
 import torch.distributed as dist
 
 
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, *, tp: int, dp: int) -> int:
+    """The global rank at coordinates (tp_rank, dp_rank, pp_rank): tp fastest, then dp, then pp."""
+    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+
+def coordinates_of(rank: int, *, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of ``rank``: the inverse of :func:`rank_of`."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
 def init_process_group(backend: str, timeout_s: float) -> None:
     """Initialise torch.distributed from torchrun's environment, or as a world of one.
 
@@ -90,7 +100,7 @@ class ParallelState:
         return self.pp_rank == self.pp - 1
 
     def global_rank(self, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
-        return pp_rank * (self.dp * self.tp) + dp_rank * self.tp + tp_rank
+        return rank_of(tp_rank, dp_rank, pp_rank, tp=self.tp, dp=self.dp)
 
     def pp_neighbour(self, offset: int) -> int:
         """Global rank of the stage ``offset`` away in this rank's pipeline."""
@@ -140,10 +150,10 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
         )
     dp = world_size // (tp * pp)
     timeout = timedelta(seconds=timeout_s)
-    tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+    tp_rank, dp_rank, pp_rank = coordinates_of(rank, tp=tp, dp=dp)
 
     def coords(t: int, d: int, p: int) -> int:
-        return p * (dp * tp) + d * tp + t
+        return rank_of(t, d, p, tp=tp, dp=dp)
 
     def make_groups(rank_lists: list[list[int]]) -> Optional[dist.ProcessGroup]:
         # new_group is collective over the world: every rank creates every group, keeps its own.

@@ -7,10 +7,10 @@
 Step s (1-based) reads global batch s, runs forward/backward over its
 micro-batches and applies optimizer step s; afterwards the state is "version s".
 
-Checkpointing plugs in through ``self.checkpointer`` (None when disabled): any
-object with ``restore() -> int`` (the step the state now is at), ``after_step(step)
--> dict`` (metrics merged into the step's record) and ``close()``. The tiered
-CheckpointManager is one; the overhead benchmark swaps in baselines.
+Checkpointing plugs in through a :class:`~megatier.checkpoint.checkpointer.Checkpointer`
+(None when disabled): ``Trainer(cfg, checkpointer=factory)`` builds it from the
+model and optimizer with the given factory, else with ``build_checkpointer``
+when ``checkpoint.enabled``. The overhead benchmark injects its baselines.
 """
 from __future__ import annotations
 
@@ -22,11 +22,9 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from megatier.checkpoint.context import build_context
-from megatier.checkpoint.manager import CheckpointManager
-from megatier.checkpoint.shard import ShardAccess
-from megatier.config import Config, validate
-from megatier.faults import FaultInjector
+from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
+from megatier.config import Config, effective_checkpoint_config, validate
+from megatier.faults import CrashPoint, FaultInjector
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
@@ -43,7 +41,6 @@ from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_
 from megatier.seeding import derive_seed
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 
-TRAIN_STEP_END = "train.step_end"  # crash point after a step and its checkpoint hand-off
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -56,15 +53,18 @@ def _pick_device(name: str) -> torch.device:
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None):
         self.cfg = cfg
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(cfg, world_size)
+        validate(cfg, world_size)  # every group, before any side effect
         self.device = _pick_device(cfg.train.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.parallel.timeout_s)
         self.ps: ParallelState = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s, self.device)
+        # What this topology can take (a warning for each change) becomes the run's config, the one
+        # config.yaml records and checkpointing uses.
+        cfg.checkpoint = effective_checkpoint_config(cfg.checkpoint, self.ps.num_nodes)
         self._set_threads()
         torch.manual_seed(derive_seed(cfg.train.seed, "torch", self.ps.tp_rank, self.ps.dp_rank, self.ps.pp_rank))
         self._build_data()
@@ -73,7 +73,7 @@ class Trainer:
         self.step = 0
         self.logger = self._build_logger()
         self.fault = FaultInjector.from_env(self.ps.rank)
-        self.checkpointer = self._build_checkpointer()
+        self.checkpointer = self._build_checkpointer(checkpointer)
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -135,13 +135,13 @@ class Trainer:
                                           dp_group=self.ps.dp_group, norm_group=self.ps.world_group,
                                           schedule=schedule, scaler=scaler)
 
-    def _build_checkpointer(self) -> Optional[CheckpointManager]:
-        c = self.cfg.checkpoint
-        if not c.enabled:
+    def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
+        state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size)
+        if factory is not None:
+            return factory(state)
+        if not self.cfg.checkpoint.enabled:
             return None
-        ctx = build_context(c, self.ps, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault)
-        shard = ShardAccess(self.optimizer, self.cfg.train.global_batch_size)
-        return CheckpointManager(ctx, shard, allow_fresh_start=c.allow_fresh_start)
+        return build_checkpointer(self.cfg.checkpoint, state, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault)
 
     def _build_logger(self):
         if self.ps.rank != 0:
@@ -216,8 +216,7 @@ class Trainer:
         """Let the checkpointer recover the newest consistent state; logs its recovery record."""
         if self.checkpointer is None:
             return
-        self.step = self.checkpointer.restore()
-        record = getattr(self.checkpointer, "recovery", None)
+        self.step, record = self.checkpointer.restore()
         if record is not None:
             self.logger.log({"step": self.step, **record})
 
@@ -240,7 +239,7 @@ class Trainer:
             self.logger.log(record)
             self.logger.progress(step, record["loss"], record["tokens_per_s"])
             self.last_record = record
-            self.fault.hit(TRAIN_STEP_END, step)
+            self.fault(CrashPoint.TRAIN_STEP_END, step)
 
     def state_digest(self) -> str:
         """xxh64 over every rank's full training state, combined in rank order."""

@@ -4,7 +4,7 @@ import signal
 
 import pytest
 
-from megatier.faults import CRASH_POINTS, ENV, FaultInjector
+from megatier.faults import ENV, CrashPoint, FaultInjector
 
 
 def test_disarmed_by_default():
@@ -44,4 +44,4 @@ def test_fires_at_or_after_the_step_only(monkeypatch):
 def test_issue_points_are_all_named():
     for p in ("t1.mid_write", "t2.mid_chunk", "t3.before_marker", "t3.before_commit",
               "t3.after_commit_before_watermark", "gc.mid_delete", "replay.mid_batch"):
-        assert p in CRASH_POINTS
+        assert p in {c.value for c in CrashPoint}

@@ -21,33 +21,33 @@ import threading
 import time
 from typing import Optional
 
-from megatier.checkpoint.commit.records import Committer, list_units
-from megatier.checkpoint.format.units import BASE, FaultHook
-from megatier.checkpoint.reclaim.policy import reclaim_remote
-from megatier.checkpoint.tiers.store import ObjectStore, StoreError
+from megatier.checkpoint.commit.committer import Committer
+from megatier.checkpoint.commit.records import delete_unit, list_units
+from megatier.checkpoint.format.chain import chain_end
+from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.reclaim.executor import delete_units
+from megatier.checkpoint.reclaim.policy import remote_reclaim_set
 from megatier.checkpoint.threads import helper_thread
+from megatier.checkpoint.tiers.store import ObjectStore, StoreError
+from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)
-T3_AFTER_COMMIT = "t3.after_commit_before_watermark"
 
 
-def chain_end(bases: set[int], diffs: set[tuple[int, int]]) -> Optional[int]:
-    """Newest step reachable from some base through a contiguous chain of diff batches; None without a base."""
-    by_first = {first: last for first, last in diffs}
-    best = None
-    for b in bases:
-        end = b
-        while end + 1 in by_first:
-            end = by_first[end + 1]
-        best = end if best is None else max(best, end)
-    return best
+def reclaim_remote(store: ObjectStore, watermark: int, keep_bases: int) -> list[PayloadId]:
+    """Delete the Tier-3 units ``watermark`` made obsolete (run in the thread that commits, so a unit is
+    never committed while its objects go). Lists anew: units committed this round carry a commit record,
+    which must go first."""
+    units = list_units(store)
+    doomed = remote_reclaim_set({p: u.committed for p, u in units.items()}, watermark, keep_bases)
+    return delete_units(doomed, lambda pid: delete_unit(store, list(units[pid].objects)))
 
 
 class Coordinator:
     """Commits complete units on Tier-3 and reclaims behind the watermark (rank 0 only)."""
 
     def __init__(self, store: ObjectStore, job_id: str, world_size: int, *, keep_bases: int,
-                 fault_hook: Optional[FaultHook] = None, poll_s: float = 1.0):
+                 fault_hook: FaultHook = no_faults, poll_s: float = 1.0):
         self.store = store
         self.world_size = world_size
         self.keep_bases = keep_bases
@@ -58,12 +58,16 @@ class Coordinator:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._bases: set[int] = set()
-        self._diffs: set[tuple[int, int]] = set()
+        self._diffs: set[PayloadId] = set()
         self._watermark: Optional[int] = None
         self._reclaimed_at: Optional[int] = None
         self.last_error: Optional[str] = None
         self._thread = helper_thread(self._run, "megatier-t3-coordinator")
+
+    def start(self) -> "Coordinator":
+        """Start polling (after restore: recovery decides from a Tier-3 nobody is committing to)."""
         self._thread.start()
+        return self
 
     # ---- what the loop reads -----------------------------------------------------------------
 
@@ -94,10 +98,9 @@ class Coordinator:
         """One round: learn what is committed, commit what is complete, reclaim if the watermark moved."""
         units = list_units(self.store)
         for record in self._committer.commit_pending(self.world_size, units):
-            if self.fault_hook is not None:
-                self.fault_hook(T3_AFTER_COMMIT, record.pid.version)
+            self.fault_hook(CrashPoint.T3_AFTER_COMMIT, record.pid.version)
         bases = {p.version for p, u in units.items() if u.committed and p.kind == BASE}
-        diffs = {(p.first, p.last) for p, u in units.items() if u.committed and p.kind != BASE}
+        diffs = {p for p, u in units.items() if u.committed and p.kind != BASE}
         with self._lock:
             self._bases, self._diffs = bases, diffs
             watermark = self._watermark
@@ -126,7 +129,8 @@ class Coordinator:
         """Stop the thread, then commit once more so units completed at the end are not left pending."""
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -137,3 +141,26 @@ class Coordinator:
                     log.warning("final Tier-3 commit failed, units stay uncommitted: %s", e)
                     return
                 time.sleep(0.5)
+
+
+class NoCoordinator:
+    """What every rank but global rank 0 holds in the coordinator's place: it commits nothing and
+    knows no Tier-3 recovery point (rank 0's figures reach everyone through the watermark sync)."""
+
+    def start(self) -> "NoCoordinator":
+        return self
+
+    def newest_base(self) -> Optional[int]:
+        return None
+
+    def recovery_point(self) -> Optional[int]:
+        return None
+
+    def set_watermark(self, watermark: int) -> None:
+        pass
+
+    def nudge(self) -> None:
+        pass
+
+    def close(self, timeout: float = 30.0) -> None:
+        pass

@@ -22,15 +22,14 @@ from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
-from megatier.checkpoint.format.units import FaultHook, PayloadId
+from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.format.payload import EncodedPayload
 from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.threads import helper_thread
+from megatier.faults import CrashPoint, FaultHook, no_faults
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-T3_BEFORE_MARKER = "t3.before_marker"
 
 
 class UploaderError(RuntimeError):
@@ -60,7 +59,7 @@ class Uploader:
     """Uploads rank ``rank``'s payloads to ``store`` in order; start with construction, end with close()."""
 
     def __init__(self, store: ObjectStore, job_id: str, rank: int, *, incarnation: str,
-                 backoff: RetryPolicy = RetryPolicy(), fault_hook: Optional[FaultHook] = None,
+                 backoff: RetryPolicy = RetryPolicy(), fault_hook: FaultHook = no_faults,
                  on_done: Optional[Callable[[PayloadId], None]] = None):
         # ``incarnation`` must be the same on every rank of one launch and differ between launches
         # (e.g. a token broadcast from rank 0 at start-up): a commit never mixes two incarnations' markers.
@@ -175,8 +174,7 @@ class Uploader:
         key = object_key(stamp)
         self._persist(lambda: self.store.put_from(key, payload.data, payload.source),
                       f"uploading {stamp.pid} of rank {self.rank}")
-        if self.fault_hook is not None:
-            self.fault_hook(T3_BEFORE_MARKER, stamp.pid.version)
+        self.fault_hook(CrashPoint.T3_BEFORE_MARKER, stamp.pid.version)
         marker = DoneMarker(key, stamp, self.incarnation).to_json()
         self._persist(lambda: self.store.put(marker_key(stamp.pid, self.rank), marker),
                       f"writing the done marker of {stamp.pid} of rank {self.rank}")

@@ -32,6 +32,7 @@ import safetensors.torch
 import torch
 import xxhash
 
+from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.tiers.store import Buffer
 
@@ -47,51 +48,6 @@ class PayloadError(Exception):
 def checksum(data: bytes) -> str:
     """xxh64 of ``data`` as 16 hex digits (hex, not int: JSON readers lose integers above 2^53)."""
     return xxhash.xxh64(data).hexdigest()
-
-
-@dataclass(frozen=True)
-class ShardLayout:
-    """The 3D layout (degrees) and this rank's coordinates in it; rank order as in ParallelState."""
-
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
-
-    def __post_init__(self) -> None:
-        for degree, coord in ((self.tp, self.tp_rank), (self.pp, self.pp_rank), (self.dp, self.dp_rank)):
-            if degree < 1 or not 0 <= coord < degree:
-                raise ValueError(f"invalid layout {self.to_dict()}: each coordinate must lie in [0, degree)")
-
-    @property
-    def rank(self) -> int:
-        return self.pp_rank * (self.dp * self.tp) + self.dp_rank * self.tp + self.tp_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def degrees(self) -> tuple[int, int, int]:
-        return self.tp, self.pp, self.dp
-
-    @classmethod
-    def from_parallel_state(cls, ps: Any) -> "ShardLayout":
-        return cls(ps.tp, ps.pp, ps.dp, ps.tp_rank, ps.pp_rank, ps.dp_rank)
-
-    def to_dict(self) -> dict:
-        return {"tp": self.tp, "pp": self.pp, "dp": self.dp,
-                "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ShardLayout":
-        return cls(*(int(d[k]) for k in ("tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank")))
-
-    def __str__(self) -> str:
-        return (f"tp={self.tp_rank}/{self.tp} pp={self.pp_rank}/{self.pp} dp={self.dp_rank}/{self.dp} "
-                f"(rank {self.rank})")
 
 
 @dataclass(frozen=True)

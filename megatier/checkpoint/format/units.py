@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 BASE = "base"
 DIFF = "diff"
 _DIRNAME = re.compile(r"^(base)/v(\d{8})$|^(diff)/v(\d{8})-(\d{8})$")
 _RANK = re.compile(r"^rank(\d{5})$")
-
-# fault_hook(point_name, version): called at named crash points; raising simulates a crash there.
-FaultHook = Callable[[str, int], None]
 
 
 @dataclass(frozen=True, order=True)

@@ -1,4 +1,4 @@
-"""Watermark-driven reclamation: which units each tier may delete, then deleting them.
+"""Reclamation policy: which units each tier may delete (pure functions; :mod:`.executor` deletes them).
 
 The watermark W is the newest base committed on Tier-3 that every rank has
 learned of (the caller computes it and keeps it monotonic). The recovery point
@@ -13,19 +13,18 @@ at any time is some committed base V >= W plus a diff chain after it, so:
   replacement rank can rebuild from Tier-3 alone even from that older base).
   Uncommitted units below those bounds are leftovers of crashed attempts.
 
-The set functions are pure (listing in, deletion set out) so the invariants can
-be tested on their own; the ``reclaim_*`` functions list, compute and delete.
-Deletion order makes a unit stop being a source before its bytes go: Tier-1
-stamp before data; Tier-3 ``_COMMITTED`` before markers before payloads.
+After a restore to E (:func:`beyond_end`): units ending after E are left over
+from the failed run and would mix with the resumed one; every tier drops them
+(Tier-3 keeps committed ones and says so).
+
+The functions are pure (listing in, deletion set out) so the invariants can
+be tested on their own.
 """
 from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from megatier.checkpoint.commit.records import COMMITTED, list_units
-from megatier.checkpoint.tiers.node_memory import LocalTier
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
-from megatier.checkpoint.tiers.store import ObjectStore
 
 
 def local_reclaim_set(held: Iterable[PayloadId], watermark: Optional[int]) -> set[PayloadId]:
@@ -60,27 +59,6 @@ def remote_reclaim_set(units: Mapping[PayloadId, bool], watermark: Optional[int]
     return doomed
 
 
-def reclaim_local(tier: LocalTier, owner_rank: int, watermark: Optional[int], *,
-                  replica: bool = False) -> list[PayloadId]:
-    """Delete obsolete units of one Tier-1 (own) or Tier-2 (replica) area; returns them, oldest first."""
-    held = [e.pid for e in tier.entries(replica=replica, owner_rank=owner_rank)]
-    doomed = sorted(local_reclaim_set(held, watermark), key=lambda p: (p.last, p.kind))
-    for pid in doomed:
-        tier.delete(owner_rank, pid, replica=replica)
-    return doomed
-
-
-def _deletion_order(key: str) -> tuple[int, str]:
-    name = key.rpartition("/")[2]
-    return (0 if name == COMMITTED else 1 if name.endswith(".done.json") else 2), key
-
-
-def reclaim_remote(store: ObjectStore, watermark: Optional[int], keep_bases: int) -> list[PayloadId]:
-    """Delete obsolete Tier-3 units; run on the coordinator, in the thread that commits."""
-    units = list_units(store)
-    doomed = sorted(remote_reclaim_set({p: u.committed for p, u in units.items()}, watermark, keep_bases),
-                    key=lambda p: (p.last, p.kind))
-    for pid in doomed:
-        for key in sorted(units[pid].objects, key=_deletion_order):
-            store.delete(key)
-    return doomed
+def beyond_end(held: Iterable[PayloadId], end: int) -> set[PayloadId]:
+    """Units that end after the recovery point ``end``: the failed run's, never part of the resumed one."""
+    return {p for p in held if p.last > end}

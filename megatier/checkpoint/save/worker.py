@@ -3,34 +3,38 @@
 The loop hands over, per step, the compressed record of the gradient shard the
 optimizer consumed (the loop compresses it: see CheckpointManager.after_step)
 and, every base interval, a snapshot of the shard (copied by the loop, so
-training may overwrite the live state at once). This thread then, in
+training may overwrite the live state at once). The worker then, in
 submission order:
 
 - appends each step's record to the open diff batch; a closed batch is
   serialized as one payload;
 - serializes each base once;
-- serializes every payload straight into its Tier-1 file (the node's memory)
-  and queues a read-only map of that file for Tier-3 and, until the loop takes
-  it, for the Tier-2 hand-off: one copy of the tensors feeds all three tiers.
+- has the first tier serialize the payload (Tier-1 writes it straight into
+  its file in node memory and hands back a read-only map of that file), then
+  puts the same bytes into every other tier that takes units from this thread;
+- keeps the payload for the loop when a lockstep tier (Tier-2) will take it
+  from the loop's thread (:meth:`take`).
 
-Order matters for correctness: a unit reaches Tier-1 before it is offered to
-the other tiers, and units are produced in step order, so the Tier-1 recovery
-point only moves forward.
+Order matters for correctness: a unit reaches the first tier before any other,
+and units are produced in step order, so every tier's recovery point only
+moves forward.
+
+``inline=True`` does the work in the caller's thread instead (tests of the
+policy with in-memory tiers, no threads).
 """
 from __future__ import annotations
 
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
-from megatier.checkpoint.commit.coordinator import chain_end
-from megatier.checkpoint.tiers.node_memory import LocalTier
+from megatier.checkpoint.format.layout import ShardLayout
+from megatier.checkpoint.format.payload import (BaseState, DiffStep, EncodedPayload, PayloadDraft, draft_base,
+                                                draft_diff_batch)
 from megatier.checkpoint.format.units import BASE, PayloadId
-from megatier.checkpoint.format.payload import (BaseState, DiffStep, EncodedPayload, PayloadDraft, ShardLayout, draft_base,
-                                         draft_diff_batch)
 from megatier.checkpoint.threads import helper_thread
-from megatier.checkpoint.commit.uploader import Uploader
+from megatier.checkpoint.tiers.base import Tier
 
 
 @dataclass
@@ -42,13 +46,14 @@ class _DiffJob:
 class SaveWorker:
     """One rank's save thread; errors surface on the next call from the loop."""
 
-    def __init__(self, *, job_id: str, layout: ShardLayout, local: Optional[LocalTier], uploader: Optional[Uploader],
-                 keep_for_peer: bool):
+    def __init__(self, *, job_id: str, layout: ShardLayout, tiers: Sequence[Tier], keep_for_loop: bool,
+                 inline: bool = False):
+        if not tiers:
+            raise ValueError("the save worker needs at least one tier")
         self.job_id = job_id
         self.layout = layout
-        self.local = local
-        self.uploader = uploader
-        self.keep_for_peer = keep_for_peer
+        self.tiers = list(tiers)
+        self.keep_for_loop = keep_for_loop
         self._cv = threading.Condition()
         self._jobs: collections.deque = collections.deque()
         self._queued_bytes = 0
@@ -56,13 +61,12 @@ class SaveWorker:
         self._open: list[DiffStep] = []
         self._error: Optional[BaseException] = None
         self._closing = False
-        # Counters and the Tier-1 holdings, read by the loop for metrics and the recovery point.
+        # Counters read by the loop for metrics.
         self.diff_bytes = 0  # compressed record bytes produced so far
         self.base_bytes = 0  # base payload bytes produced so far
-        self.t1_bases: set[int] = set()
-        self.t1_diffs: set[tuple[int, int]] = set()
-        self._thread = helper_thread(self._run, f"megatier-save-rank{layout.rank}")
-        self._thread.start()
+        self._thread = None if inline else helper_thread(self._run, f"megatier-save-rank{layout.rank}")
+        if self._thread is not None:
+            self._thread.start()
 
     # ---- called by the loop -----------------------------------------------------------------
 
@@ -86,19 +90,9 @@ class SaveWorker:
 
     @property
     def pending_bytes(self) -> int:
-        """Host bytes this worker holds: queued gradients and snapshots, payloads awaiting Tier-2."""
+        """Host bytes this worker holds: queued gradients and snapshots, payloads awaiting the loop."""
         with self._cv:
             return self._queued_bytes + sum(p.stamp.size for p in self._ready.values())
-
-    def t1_point(self) -> Optional[int]:
-        """Newest step recoverable from this rank's Tier-1 holdings alone."""
-        with self._cv:
-            return chain_end(set(self.t1_bases), set(self.t1_diffs))
-
-    def forget(self, pid: PayloadId) -> None:
-        """Reclamation removed ``pid`` from Tier-1."""
-        with self._cv:
-            (self.t1_bases.discard(pid.version) if pid.kind == BASE else self.t1_diffs.discard((pid.first, pid.last)))
 
     def flush(self, timeout: float) -> None:
         """Wait until every submitted job is serialized and saved."""
@@ -111,9 +105,10 @@ class SaveWorker:
         with self._cv:
             self._closing = True
             self._cv.notify_all()
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
-    # ---- the thread ---------------------------------------------------------------------------
+    # ---- the work -----------------------------------------------------------------------------
 
     def _put(self, job, nbytes: int) -> None:
         with self._cv:
@@ -121,6 +116,8 @@ class SaveWorker:
             self._jobs.append((job, nbytes))
             self._queued_bytes += nbytes
             self._cv.notify_all()
+        if self._thread is None:
+            self._work_one()
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -132,22 +129,31 @@ class SaveWorker:
                 self._cv.wait_for(lambda: self._jobs or self._closing)
                 if not self._jobs:
                     return
-                job, nbytes = self._jobs[0]
-            try:
-                draft = self._diff(job) if isinstance(job, _DiffJob) else self._base(job)
-                payload = self._store(draft) if draft is not None else None
-            except BaseException as e:  # keep the cause for the loop; stop saving (nothing half-visible)
-                with self._cv:
-                    self._error = e
-                    self._jobs.clear()
-                    self._cv.notify_all()
+            if not self._work_one():
                 return
+
+    def _work_one(self) -> bool:
+        """Serialize and store the oldest job; False (and the error kept for the loop) if that failed."""
+        with self._cv:
+            job, nbytes = self._jobs[0]
+        try:
+            draft = self._diff(job) if isinstance(job, _DiffJob) else self._base(job)
+            payload = self._store(draft) if draft is not None else None
+        except BaseException as e:  # keep the cause for the loop; stop saving (nothing half-visible)
             with self._cv:
-                self._jobs.popleft()
-                self._queued_bytes -= nbytes
-                if payload is not None and self.keep_for_peer:
-                    self._ready[payload.stamp.pid] = payload
+                self._error = e
+                self._jobs.clear()
                 self._cv.notify_all()
+            if self._thread is None:
+                self._raise_if_failed()
+            return False
+        with self._cv:
+            self._jobs.popleft()
+            self._queued_bytes -= nbytes
+            if payload is not None and self.keep_for_loop:
+                self._ready[payload.stamp.pid] = payload
+            self._cv.notify_all()
+        return True
 
     def _diff(self, job: _DiffJob) -> Optional[PayloadDraft]:
         self._open.append(job.record)
@@ -160,17 +166,12 @@ class SaveWorker:
         return draft_base(state, job_id=self.job_id, layout=self.layout)
 
     def _store(self, draft: PayloadDraft) -> EncodedPayload:
-        """Serialize once (into Tier-1 when there is one) and offer the same bytes to Tier-3."""
-        pid = draft.pid
-        if self.local is not None:
-            payload = self.local.save_draft(draft)
-            with self._cv:
-                (self.t1_bases.add(pid.version) if pid.kind == BASE else self.t1_diffs.add((pid.first, pid.last)))
-        else:
-            payload = draft.to_payload()
-        if pid.kind == BASE:
+        """Serialize once, into the first tier, and offer the same bytes to the others."""
+        first, *rest = self.tiers
+        payload = first.put_draft(draft)
+        if draft.pid.kind == BASE:
             with self._cv:
                 self.base_bytes += payload.stamp.size
-        if self.uploader is not None:
-            self.uploader.submit(payload)
+        for tier in rest:
+            tier.put(payload)
         return payload

@@ -1,4 +1,7 @@
-"""Tier-1: one node's checkpoint area in memory that outlives the training process.
+"""NodeMemory: one node's checkpoint area in memory that outlives the training process.
+
+It is the storage under two tiers: Tier-1 (:mod:`.local`, a rank's own units)
+and Tier-2 (:mod:`.peer`, the replicas a node keeps for its ring predecessor).
 
 Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
 
@@ -8,6 +11,7 @@ Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
     own/rank00003/diff/v00000046-00000050.json
     replica/rank00001/base/v00000050.safetensors        rank 1's replica, held here (Tier-2)
     replica/rank00001/base/v00000050.json
+    progress/rank00003                                  the newest step rank 3 reached (steps lost)
 
 Invariants:
 - A payload is complete exactly when its stamp exists. The data file is written
@@ -28,14 +32,15 @@ from typing import Optional
 import xxhash
 
 from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
-from megatier.checkpoint.format.units import FaultHook, PayloadId, check_path_component, parse_rank_name, rank_name
+from megatier.checkpoint.format.units import PayloadId, check_path_component, parse_rank_name, rank_name, rank_name
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.tiers.store import ObjectNotFound
+from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
+from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)
 
-T1_MID_WRITE = "t1.mid_write"
 _DATA, _STAMP = ".safetensors", ".json"
+_PROGRESS = "progress/"
 
 
 def _area(owner_rank: int, replica: bool) -> str:
@@ -57,10 +62,10 @@ class LocalEntry:
         return self.data_size is not None and self.has_stamp
 
 
-class LocalTier:
-    """The Tier-1 area of node ``node`` for job ``job_id`` under ``root``."""
+class NodeMemory:
+    """The checkpoint area of node ``node`` for job ``job_id`` under ``root``."""
 
-    def __init__(self, root: str, job_id: str, node: str, *, fault_hook: Optional[FaultHook] = None,
+    def __init__(self, root: str, job_id: str, node: str, *, fault_hook: FaultHook = no_faults,
                  fsync: bool = True):
         check_path_component(job_id, "checkpoint.job_id")
         check_path_component(node, "node name")
@@ -89,8 +94,7 @@ class LocalTier:
         data_key, stamp_key = self._keys(stamp.rank, stamp.pid, replica)
         self.store.delete(stamp_key)
         self.store.put(data_key, payload.data)
-        if self.fault_hook is not None:
-            self.fault_hook(T1_MID_WRITE, stamp.pid.version)
+        self.fault_hook(CrashPoint.T1_MID_WRITE, stamp.pid.version)
         self.store.put(stamp_key, stamp.to_json())
 
     def save_draft(self, draft: PayloadDraft) -> EncodedPayload:
@@ -104,8 +108,7 @@ class LocalTier:
         self.store.put_pieces(data_key, draft.pieces())
         source, data = self.store.open_mapped(data_key)
         payload = EncodedPayload(data, draft.stamp(data), source)
-        if self.fault_hook is not None:
-            self.fault_hook(T1_MID_WRITE, draft.pid.version)
+        self.fault_hook(CrashPoint.T1_MID_WRITE, draft.pid.version)
         self.store.put(stamp_key, payload.stamp.to_json())
         return payload
 
@@ -176,6 +179,35 @@ class LocalTier:
         for pid in removed:
             self.delete(owner_rank, pid, replica=replica)
         return removed
+
+    def owners(self, *, replica: bool) -> list[int]:
+        """Owner ranks with an area of the given kind here, including areas holding only temp files."""
+        path = os.path.join(self.store.root, "replica" if replica else "own")
+        names = os.listdir(path) if os.path.isdir(path) else []
+        return sorted(r for r in (parse_rank_name(n) for n in names) if r is not None)
+
+    def write_progress(self, rank: int, step: int) -> None:
+        """Record that ``rank`` reached ``step`` (one tiny atomic file, rewritten every step)."""
+        self.store.put(f"{_PROGRESS}{rank_name(rank)}", str(step).encode())
+
+    def read_progress(self) -> dict[int, int]:
+        """rank -> newest step reached, for every rank that recorded progress here; unreadable keys are skipped."""
+        out = {}
+        for key in self.store.list(_PROGRESS):
+            owner = parse_rank_name(key[len(_PROGRESS):])
+            try:
+                step = int(self.store.get(key).decode())
+            except (StoreError, ValueError, UnicodeDecodeError) as e:
+                log.warning("ignoring progress key %s: %s", self.store.describe(key), e)
+                continue
+            if owner is not None:
+                out[owner] = step
+        return out
+
+    def clear_progress(self) -> None:
+        """Drop every progress key (a resumed run rewrites them every step)."""
+        for key in self.store.list(_PROGRESS):
+            self.store.delete(key)
 
     def bytes_held(self) -> int:
         """Bytes of every file in this node's area (own and replicas, complete or not)."""

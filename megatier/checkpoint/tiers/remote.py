@@ -1,20 +1,39 @@
-"""Open the Tier-3 store of a job from ``checkpoint.remote.url``.
+"""Tier-3: remote storage (a directory on a shared file system, or S3), written through the commit protocol.
 
-``url`` is a directory path (relative paths resolve against the working
-directory), ``file:///path``, or ``s3://bucket[/prefix]``. Every job lives
-under ``<url>/<job_id>/``; see :mod:`megatier.checkpoint.commit.records` for the layout
-inside.
+Survives everything, a rack failure included. ``checkpoint.remote.url`` is a
+directory path (relative paths resolve against the working directory),
+``file:///path``, or ``s3://bucket[/prefix]``; every job lives under
+``<url>/<job_id>/`` (the object layout: :mod:`megatier.checkpoint.commit.records`).
+
+Every rank's payloads go to its :class:`Uploader` (phase 1: objects, then a
+done marker); global rank 0 also runs the :class:`Coordinator` (phase 2:
+``_COMMITTED``, and Tier-3 reclamation). Only committed units are ever listed
+or read back.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 from urllib.parse import urlparse
 
+from megatier.checkpoint.commit.committer import Committer
+from megatier.checkpoint.commit.coordinator import Coordinator, NoCoordinator
+from megatier.checkpoint.commit.reader import RemoteReader
+from megatier.checkpoint.commit.records import (COMMITTED, CommitError, CommitRecord, commit_key, delete_unit,
+                                                list_units)
+from megatier.checkpoint.commit.uploader import Uploader
+from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
+from megatier.checkpoint.format.units import PayloadId, check_path_component, rank_name
+from megatier.checkpoint.reclaim.executor import delete_units
+from megatier.checkpoint.reclaim.policy import beyond_end
+from megatier.checkpoint.tiers.base import JOB, TIER3, Copy, Listing, Tier
 from megatier.checkpoint.tiers.directory import DirectoryStore
-from megatier.checkpoint.format.units import check_path_component
 from megatier.checkpoint.tiers.s3 import S3Store
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy
-from megatier.checkpoint.validation import check_remote_url
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
+from megatier.config import check_remote_url
+from megatier.faults import FaultHook, no_faults
+
+log = logging.getLogger(__name__)
 
 
 def open_remote_store(url: str, job_id: str, *, endpoint_url: Optional[str] = None,
@@ -35,3 +54,121 @@ def open_remote_store(url: str, job_id: str, *, endpoint_url: Optional[str] = No
                        connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s)
     path = parsed.path if parsed.scheme == "file" else url
     return DirectoryStore(f"{path.rstrip('/')}/{job_id}", fsync=fsync)
+
+
+def list_committed(store: ObjectStore, label: str = TIER3) -> Listing:
+    """Every rank's copy of every committed unit; unreadable commit records are noted and skipped."""
+    units = list_units(store)
+    listing = Listing(traces=bool(units))
+    for pid, unit in sorted(units.items(), key=lambda kv: (kv[0].last, kv[0].kind)):
+        if not unit.committed:
+            continue
+        key = commit_key(pid)
+        try:
+            record = CommitRecord.from_json(store.get(key), store.describe(key))
+        except (PayloadError, StoreError) as e:
+            listing.notes.append(f"Tier-3 {pid}: {COMMITTED} unreadable ({e})")
+            continue
+        if record.pid != pid:
+            listing.notes.append(f"Tier-3 {pid}: {COMMITTED} describes {record.pid}")
+            continue
+        listing.copies.extend(Copy(m.stamp, label, None) for m in record.ranks)
+    return listing
+
+
+class RemoteTier(Tier):
+    """Tier-3 of rank ``rank``: uploads its units; on global rank 0 also commits and reclaims."""
+
+    label, scope = TIER3, JOB
+
+    def __init__(self, store: ObjectStore, *, job_id: str, rank: int, world_size: int, incarnation: str,
+                 keep_bases: int, fault: FaultHook = no_faults):
+        self.store = store
+        self.job_id = job_id
+        self.world_size = world_size
+        self.reader = RemoteReader(store, job_id)
+        self.coordinator = (Coordinator(store, job_id, world_size, keep_bases=keep_bases, fault_hook=fault)
+                            if rank == 0 else NoCoordinator())  # polls from start(), after restore
+        # The coordinator's rank nudges it after each of its own markers (in a world of one, the last).
+        self.uploader = Uploader(store, job_id, rank, incarnation=incarnation, fault_hook=fault,
+                                 on_done=lambda pid: self.coordinator.nudge())
+
+    def where(self) -> str:
+        return f"Tier-3 at {self.store.url}"
+
+    # ---- units -------------------------------------------------------------------------------
+
+    def put(self, payload: EncodedPayload) -> None:
+        self.uploader.submit(payload)
+
+    def list(self) -> Listing:
+        return list_committed(self.store, self.label)
+
+    def read(self, copy: Copy) -> EncodedPayload:
+        return self.reader.load(copy.pid, copy.owner)
+
+    def delete(self, pid: PayloadId, owner: Optional[int] = None) -> None:
+        keys = list(self.store.list(f"{pid.dirname}/"))
+        if owner is not None:
+            keys = [k for k in keys if k.rpartition("/")[2].startswith(f"{rank_name(owner)}.")]
+        delete_unit(self.store, keys)
+
+    # ---- save path ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.coordinator.start()
+
+    def point(self) -> Optional[int]:
+        """The rack recovery point (known on rank 0). Asked at each watermark sync, right after a diff
+        batch closed, so it also wakes the coordinator: that batch's units may be complete soon."""
+        self.coordinator.nudge()
+        return self.coordinator.recovery_point()
+
+    def durable_base(self) -> Optional[int]:
+        return self.coordinator.newest_base()
+
+    def reclaim(self, watermark: int) -> None:
+        self.coordinator.set_watermark(watermark)
+
+    def pending_bytes(self) -> int:
+        return self.uploader.status().pending_bytes
+
+    def lag_cause(self) -> Optional[str]:
+        status = self.uploader.status()
+        if status.last_error:
+            return f"Tier-3 ({self.store.url}) is failing: {status.last_error}"
+        if status.pending:
+            return f"Tier-3 uploads are slower than the save rate ({len(status.pending)} units queued)"
+        return None
+
+    def drain(self, step: int, timeout: float) -> None:
+        left = self.uploader.close(timeout)
+        if left:
+            log.warning("rank %d: %d units not uploaded to Tier-3 at exit: %s", self.uploader.rank, len(left),
+                        ", ".join(map(str, left)))
+
+    def close(self, timeout: float) -> None:
+        self.coordinator.close(timeout)
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Commit what the previous launch left with every marker in but no ``_COMMITTED`` (its coordinator
+        died first), so the inventory sees the same Tier-3 whenever it runs. A unit that cannot be committed
+        stays uncommitted: never loaded, and cleaned up if it lies beyond the recovery point."""
+        try:
+            Committer(self.store, self.job_id).commit_pending(self.world_size)
+        except (CommitError, StoreError) as e:
+            log.warning("Tier-3 at %s: pending units left uncommitted before recovery: %s", self.store.url, e)
+
+    def discard_after(self, end: int) -> list[str]:
+        """Delete uncommitted units after ``end`` (crashed attempts); committed ones stay, with a warning."""
+        units = list_units(self.store)
+        doomed = set()
+        for pid in beyond_end(units, end):
+            if units[pid].committed:
+                log.warning("Tier-3 %s is committed but lies beyond the recovery point E=%d; kept", pid, end)
+            else:
+                doomed.add(pid)
+        gone = delete_units(doomed, lambda pid: delete_unit(self.store, list(units[pid].objects)))
+        return [f"Tier-3 {pid}" for pid in gone]

@@ -56,97 +56,34 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatier.checkpoint.tiers.node_memory import LocalTier, ReplicaWriter
-from megatier.checkpoint.format.units import BASE, DIFF, FaultHook, PayloadId
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.tiers.store import StoreError
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.threads import helper_thread
+from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.checkpoint.tiers.ring import KINDS, Leg, PeerStatus, Tick, TransferError, chunk_plan
+from megatier.checkpoint.tiers.store import StoreError
+from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)
 
-T2_MID_CHUNK = "t2.mid_chunk"
-_KINDS = (DIFF, BASE)  # header table rows, and the order of units within a tick
 _TAG_HDR, _TAG_HDR_BACK, _TAG_STAMP, _TAG_DATA, _TAG_ACK = 0x7201, 0x7202, 0x7203, 0x7204, 0x7205
 _MAX_QUEUED_DIFFS = 2
-
-
-def chunk_plan(size: int, other_size: int, base_interval: int, max_chunk_bytes: int) -> tuple[int, int, int]:
-    """(chunk bytes, chunk count, steps T) of a paced base of ``size`` bytes; the larger payload sets the pace.
-
-    T counts from the first chunk's tick, two steps after the base's version
-    (hand-off at v + 1, chunks from v + 2), so the margin is really left before
-    the next base: a node failure late in the interval finds the replica whole.
-    """
-    span = max(1, base_interval - 2 - max(1, base_interval // 5))
-    chunk = max(1, min(math.ceil(max(size, other_size) / span), max_chunk_bytes))
-    return chunk, max(1, math.ceil(size / chunk)), span
-
-
-@dataclass(frozen=True)
-class PeerStatus:
-    """A snapshot for metrics and tests."""
-
-    pending_bytes: int  # own payload bytes handed in and not yet sent
-    acked_units: dict  # kind -> newest PayloadId the holder confirmed complete (or None)
-    received: tuple  # owner's units completed here, oldest first (the most recent 256)
-    last_error: Optional[str]
-    sync_flushes: int = 0  # ticks at which a new base forced the previous one out (spills)
-    base_chunks: tuple = ()  # (base version, step, chunks sent at that step) of recent own bases
-
-
-@dataclass
-class _Leg:
-    """One direction of one unit: ``n`` chunks of ``chunk`` bytes; chunk k due at ``start + k * span // n``."""
-
-    pid: PayloadId
-    size: int
-    chunk: int
-    n: int
-    start: int
-    span: int
-    data: Optional[bytes] = None  # outgoing: the payload
-    stamp: Optional[Stamp] = None  # incoming: what it must verify against
-    writer: Optional[ReplicaWriter] = None  # incoming base
-    parts: list = field(default_factory=list)  # incoming diff
-    base_index: int = -1  # the how-many-th base (bases only)
-    done: int = 0  # chunks moved
-    forced: bool = False
-    bad: Optional[str] = None  # incoming: why the copy was discarded
-
-    def due(self, tick: int) -> range:
-        k = self.n if self.forced else self.done
-        while k < self.n and self.start + k * self.span // self.n <= tick:
-            k += 1
-        return range(self.done, k)
-
-    def bounds(self, k: int) -> tuple[int, int]:
-        return k * self.chunk, min((k + 1) * self.chunk, self.size)
-
-
-@dataclass(frozen=True)
-class _Tick:
-    step: int
-    diff: Optional[EncodedPayload] = None
-    base: Optional[EncodedPayload] = None
-    flush: bool = False
 
 
 class PeerReplicator:
     """Rank ``rank``'s Tier-2 sender (to ``holder_rank``) and receiver (from ``owner_rank``); see the module doc."""
 
-    def __init__(self, local: LocalTier, *, rank: int, holder_rank: int, owner_rank: int, group,
+    def __init__(self, local: NodeMemory, *, rank: int, holder_rank: int, owner_rank: int, group,
                  base_interval: int, max_chunk_bytes: int, timeout_s: float,
-                 fault_hook: Optional[FaultHook] = None):
+                 fault_hook: FaultHook = no_faults):
         if rank in (holder_rank, owner_rank):
             raise ValueError(f"rank {rank} cannot replicate to itself (holder {holder_rank}, owner {owner_rank})")
         if base_interval < 1 or max_chunk_bytes < 1 or timeout_s <= 0:
@@ -157,7 +94,7 @@ class PeerReplicator:
         self._timeout = timedelta(seconds=timeout_s)
         self._cv = threading.Condition()
         # Shared with the thread, guarded by _cv.
-        self._ticks: collections.deque[_Tick] = collections.deque()
+        self._ticks: collections.deque[Tick] = collections.deque()
         self._queued = self._ticks_done = self._progress = 0
         self._queued_diffs = self._bases_in = self._bases_done = 0
         self._unsent = 0
@@ -170,8 +107,8 @@ class PeerReplicator:
         self._last_step = -1
         self._stop = self._closed = False
         # Thread-only: legs in creation order (same order on both ends of each direction).
-        self._out: list[_Leg] = []
-        self._in: list[_Leg] = []
+        self._out: list[Leg] = []
+        self._in: list[Leg] = []
         self._bases_started = 0
         self._thread = helper_thread(self._run, f"megatier-t2-rank{rank}")
         self._thread.start()
@@ -198,7 +135,7 @@ class PeerReplicator:
                 raise ValueError(f"on_step({step}) after on_step({self._last_step}): steps must increase")
             self._last_step = step
             earlier_bases = self._bases_in
-            self._enqueue(_Tick(step, diff, base))
+            self._enqueue(Tick(step, diff, base))
             self._queued_diffs += diff is not None
             self._bases_in += base is not None
             self._unsent += sum(p.stamp.size for p in (diff, base) if p is not None)
@@ -222,7 +159,7 @@ class PeerReplicator:
             self._raise_if_failed()
             if self._closed:
                 raise RuntimeError(f"Tier-2 replicator of rank {self.rank} is closed")
-            token = self._enqueue(_Tick(self._last_step, flush=True))
+            token = self._enqueue(Tick(self._last_step, flush=True))
         self._block(lambda: self._ticks_done >= token, "flushing", deadline=time.monotonic() + timeout)
 
     def close(self, timeout: float) -> None:
@@ -237,7 +174,7 @@ class PeerReplicator:
             self._cv.notify_all()
         self._thread.join(timeout=min(5.0, self.timeout_s))
 
-    def _enqueue(self, tick: _Tick) -> int:
+    def _enqueue(self, tick: Tick) -> int:
         self._ticks.append(tick)
         self._queued += 1
         self._cv.notify_all()
@@ -284,7 +221,7 @@ class PeerReplicator:
                     self._progress += 1
                     self._cv.notify_all()
         except BaseException as e:  # a transfer failure, a fault hook's simulated crash, or a bug
-            if not isinstance(e, _TransferError):
+            if not isinstance(e, TransferError):
                 e = RuntimeError(f"Tier-2 replicator of rank {self.rank} stopped: {e!r}")
             log.error("%s", e)
             with self._cv:
@@ -295,7 +232,7 @@ class PeerReplicator:
                 if leg.writer is not None:
                     leg.writer.abort()
 
-    def _process(self, tick: _Tick) -> None:
+    def _process(self, tick: Tick) -> None:
         if tick.base is not None or tick.flush:
             forced = [leg for leg in self._out + self._in if leg.done < leg.n and (tick.flush or leg.pid.kind == BASE)]
             for leg in forced:
@@ -308,7 +245,7 @@ class PeerReplicator:
         finished = self._move_chunks(tick.step)
         self._ack(finished)
 
-    def _start_units(self, tick: _Tick) -> None:
+    def _start_units(self, tick: Tick) -> None:
         mine = (tick.diff, tick.base)
         stamps = [p.stamp.to_json() if p is not None else b"" for p in mine]
         hdr = torch.tensor([[1, p.stamp.pid.first, p.stamp.pid.last, p.stamp.size, len(s)] if p is not None
@@ -321,10 +258,10 @@ class PeerReplicator:
         if self.holder == self.owner:
             from_holder = from_owner
         theirs = from_owner.tolist()
-        for kind, p, row in zip(_KINDS, mine, theirs):
+        for kind, p, row in zip(KINDS, mine, theirs):
             if bool(row[0]) != (p is not None) or (p is not None and (row[1], row[2]) != (p.stamp.pid.first,
                                                                                            p.stamp.pid.last)):
-                raise _TransferError(f"Tier-2 schedules diverged at step {tick.step}: rank {self.owner} handed in "
+                raise TransferError(f"Tier-2 schedules diverged at step {tick.step}: rank {self.owner} handed in "
                                      f"{kind} {row[1:3] if row[0] else None}, rank {self.rank} "
                                      f"{p.stamp.pid if p is not None else None}; replication stopped")
         stamp_in = torch.empty(sum(r[4] for r in theirs), dtype=torch.uint8)
@@ -338,30 +275,30 @@ class PeerReplicator:
             stamp = Stamp.from_json(raw[at:at + row[4]], source)
             at += row[4]
             if stamp.rank != self.owner or stamp.pid != p.stamp.pid or stamp.size != row[3]:
-                raise _TransferError(f"{source} announces {stamp.pid} of rank {stamp.rank} ({stamp.size} bytes), "
+                raise TransferError(f"{source} announces {stamp.pid} of rank {stamp.rank} ({stamp.size} bytes), "
                                      f"expected {p.stamp.pid} of rank {self.owner}; replication stopped")
             if stamp.pid.kind == DIFF:
-                self._out.append(_Leg(p.stamp.pid, p.stamp.size, p.stamp.size, 1, tick.step, 0, data=p.data))
-                self._in.append(_Leg(stamp.pid, stamp.size, stamp.size, 1, tick.step, 0, stamp=stamp))
+                self._out.append(Leg(p.stamp.pid, p.stamp.size, p.stamp.size, 1, tick.step, 0, data=p.data))
+                self._in.append(Leg(stamp.pid, stamp.size, stamp.size, 1, tick.step, 0, stamp=stamp))
                 continue
             index, self._bases_started = self._bases_started, self._bases_started + 1
             chunk, n, span = chunk_plan(p.stamp.size, holder_row[3], self.base_interval, self.max_chunk_bytes)
-            self._out.append(_Leg(p.stamp.pid, p.stamp.size, chunk, n, tick.step + 1, span, data=p.data,
+            self._out.append(Leg(p.stamp.pid, p.stamp.size, chunk, n, tick.step + 1, span, data=p.data,
                                   base_index=index))
             chunk, n, span = chunk_plan(stamp.size, p.stamp.size, self.base_interval, self.max_chunk_bytes)
-            leg = _Leg(stamp.pid, stamp.size, chunk, n, tick.step + 1, span, stamp=stamp, base_index=index)
+            leg = Leg(stamp.pid, stamp.size, chunk, n, tick.step + 1, span, stamp=stamp, base_index=index)
             try:
                 leg.writer = self.local.begin_replica(stamp)
             except StoreError as e:  # still receive every chunk (the peer sends them anyway), keep nothing
                 leg.bad = f"replica of rank {self.owner}'s {leg.pid} discarded: {e}"
             self._in.append(leg)
 
-    def _out_chunk(self, leg: _Leg, k: int) -> torch.Tensor:
+    def _out_chunk(self, leg: Leg, k: int) -> torch.Tensor:
         """Chunk ``k`` of an outgoing leg as a uint8 tensor (a copy: gloo wants a writable buffer)."""
         a, b = leg.bounds(k)
         return torch.frombuffer(bytearray(memoryview(leg.data)[a:b]), dtype=torch.uint8)
 
-    def _move_chunks(self, step: int) -> list[_Leg]:
+    def _move_chunks(self, step: int) -> list[Leg]:
         """Phase 2: post every due receive, then send due chunks one by one (fault point between base chunks)."""
         recvs, started = [], {id(leg): leg.done for leg in self._out + self._in}
         for leg in self._in:
@@ -380,8 +317,8 @@ class PeerReplicator:
                 with self._cv:
                     self._unsent -= chunk.numel()
                     self._progress += 1
-                if leg.pid.kind == BASE and leg.done < leg.n and self.fault_hook is not None:
-                    self.fault_hook(T2_MID_CHUNK, leg.pid.version)
+                if leg.pid.kind == BASE and leg.done < leg.n:
+                    self.fault_hook(CrashPoint.T2_MID_CHUNK, leg.pid.version)
         for leg, buf, work in recvs:
             self._wait(work, leg.pid)
             leg.done += 1
@@ -390,7 +327,7 @@ class PeerReplicator:
             self._base_chunks.extend((version, step, count) for version, count in sent.items())
         return [leg for leg in self._out + self._in if leg.done == leg.n and started[id(leg)] < leg.n]
 
-    def _take(self, leg: _Leg, buf: torch.Tensor) -> None:
+    def _take(self, leg: Leg, buf: torch.Tensor) -> None:
         """Keep a received chunk; after the last one, verify and publish (or discard) the replica."""
         last = leg.done == leg.n
         try:
@@ -420,18 +357,18 @@ class PeerReplicator:
                 log.warning("Tier-2: %s", leg.bad)
                 self._last_error = leg.bad
 
-    def _ack(self, finished: list[_Leg]) -> None:
+    def _ack(self, finished: list[Leg]) -> None:
         """Phase 3: ack each incoming leg completed this tick to the owner, collect the holder's acks."""
         to_owner = [leg for leg in finished if leg.stamp is not None]  # incoming legs carry the owner's stamp
         from_holder = [(leg, torch.empty(4, dtype=torch.int64)) for leg in finished if leg.stamp is None]
         self._exchange([("recv", buf, _TAG_ACK, leg.pid) for leg, buf in from_holder] +
-                       [("back", torch.tensor([int(leg.bad is None), _KINDS.index(leg.pid.kind), leg.pid.first,
+                       [("back", torch.tensor([int(leg.bad is None), KINDS.index(leg.pid.kind), leg.pid.first,
                                                leg.pid.last]), _TAG_ACK, leg.pid) for leg in to_owner])
         with self._cv:
             for leg, buf in from_holder:
                 ok, kind, first, last = buf.tolist()
-                if (_KINDS[kind], first, last) != (leg.pid.kind, leg.pid.first, leg.pid.last):
-                    raise _TransferError(f"rank {self.holder} acked {_KINDS[kind]} v{first}-{last} where rank "
+                if (KINDS[kind], first, last) != (leg.pid.kind, leg.pid.first, leg.pid.last):
+                    raise TransferError(f"rank {self.holder} acked {KINDS[kind]} v{first}-{last} where rank "
                                          f"{self.rank} expected {leg.pid}; replication stopped")
                 if ok:
                     newest = self._acked[leg.pid.kind]
@@ -475,10 +412,6 @@ class PeerReplicator:
             self._progress += 1
 
     @staticmethod
-    def _failure(pid: PayloadId, src: int, dst: int, e: Exception) -> "_TransferError":
-        return _TransferError(f"Tier-2 transfer of {pid} from rank {src} to rank {dst} failed: {e}; "
+    def _failure(pid: PayloadId, src: int, dst: int, e: Exception) -> "TransferError":
+        return TransferError(f"Tier-2 transfer of {pid} from rank {src} to rank {dst} failed: {e}; "
                               f"the peer may have died")
-
-
-class _TransferError(RuntimeError):
-    """A Tier-2 transfer failed or the peers disagree; it stops the replicator."""

@@ -1,1 +1,0 @@
-"""Benchmark helpers (baseline checkpointers for scripts/bench_overhead.py)."""

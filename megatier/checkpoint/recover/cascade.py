@@ -1,0 +1,208 @@
+"""The cascade: getting every rank the units of its chain, one *round* per position in the chains.
+
+Round 0 fetches base V for every rank, then one diff batch per round, so at
+most one unit per rank is held in memory. A round (:meth:`Fetcher.round`):
+
+- local attempt: each rank tries the copies in its own node's memory (own
+  area, then replica area), verifying checksum and identity (decoding with
+  this job and layout); then one status gather tells everyone who is done and
+  which candidate each other rank tries next;
+- remote attempts, repeated until everyone is done: for every pending rank r,
+  in rank order, the next candidate copy is served by the server rank of the
+  node holding it (another node's memory), or for a Tier-3 copy by the
+  *leader* of r's node (its server rank again), which reads only the objects
+  its local ranks need and sends them on. Transfers are point-to-point
+  (:meth:`CheckpointComm.send`: the size, or "nothing" when the server's copy
+  is missing or fails its check, then the bytes). Every rank walks the same
+  global list in the same order, so sends and receives pair up and cannot
+  deadlock (the lowest unfinished transfer always has both ends ready). The
+  receiver verifies the bytes against the inventory's stamp, then decodes. A
+  status gather follows; a failed copy moves that rank to its next candidate.
+
+Sending to the rank instead of writing into the node's memory keeps recovered
+copies out of the areas whose only writers are the save path. When a rank runs
+out of candidates, :class:`Exhausted` tells restore to take the consensus
+again without the copies found bad.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatier.checkpoint.comm import CheckpointComm
+from megatier.checkpoint.format.layout import ShardLayout
+from megatier.checkpoint.format.payload import (EncodedPayload, PayloadError, decode_base, decode_diff_batch,
+                                                verify_payload)
+from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.recover.consensus import Consensus, cascade
+from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, raise_fatal
+from megatier.checkpoint.tiers.base import TIER_ORDER, Copy, Tier
+from megatier.checkpoint.tiers.store import StoreError
+
+log = logging.getLogger(__name__)
+
+LOAD_ERRORS = (PayloadError, StoreError, ValueError)
+
+
+class Exhausted(RecoveryError):
+    """A rank ran out of copies of a unit; recovery retries the consensus without the copies found bad."""
+
+
+@dataclass
+class Ledger:
+    """What every rank knows after each status gather: who got which unit from which tier, and fallbacks."""
+
+    served: dict[tuple[int, PayloadId], tuple[str, int]] = field(default_factory=dict)  # -> (tier, bytes)
+    fallbacks: list[str] = field(default_factory=list)
+    bad: set[Copy] = field(default_factory=set)
+    moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_ORDER, 0))  # every pass
+
+
+@dataclass
+class Reader:
+    """Who this rank is, for reading and checking copies: its node, job, layout and tiers by label."""
+
+    node: str
+    job_id: str
+    layout: ShardLayout
+    tiers: dict[str, Tier]
+
+    def read(self, copy: Copy) -> EncodedPayload:
+        """The copy's bytes from the tier holding it, checksum-verified; it must be reachable from here."""
+        if copy.source_node(self.node) != self.node:
+            raise StoreError(f"{copy.describe()} is not readable from {self.node}")
+        if copy.tier not in self.tiers:
+            raise StoreError(f"{copy.describe()}: {copy.tier} is not configured on this rank")
+        return self.tiers[copy.tier].read(copy)
+
+    def decode(self, data: bytes, copy: Copy, source: str) -> Any:
+        """Verify ``data`` against the inventory's stamp, then decode with this job and this rank's layout."""
+        verify_payload(data, copy.stamp, source)
+        payload = EncodedPayload(data, copy.stamp)
+        decoder = decode_base if copy.pid.kind == BASE else decode_diff_batch
+        return decoder(payload, job_id=self.job_id, layout=self.layout, source=source)
+
+    def load(self, copy: Copy) -> Any:
+        return self.decode(self.read(copy).data, copy, copy.describe())
+
+
+def _note(copy: Copy, error: Exception) -> tuple[Copy, str]:
+    """A bad copy and a short why for the record (every rank learns both); the full error goes to the log."""
+    log.warning("skipping rank %d's %s from %s: %s", copy.owner, copy.pid, copy.describe(), error)
+    reason = str(error).split("; ")[0].rsplit(": ", 1)[-1]
+    return copy, f"rank {copy.owner} {copy.pid} from {copy.describe()}: {reason}"
+
+
+class Fetcher:
+    """Runs the cascade of one round (one unit per rank) with the protocol in the module docstring."""
+
+    def __init__(self, comm: CheckpointComm, reader: Reader, consensus: Consensus, inventory: Inventory):
+        self.comm = comm
+        self.reader = reader
+        self.consensus = consensus
+        self.rank_nodes = inventory.rank_nodes
+        self.servers = inventory.servers
+        self.ledger = Ledger()
+
+    def round(self, k: int, carried_fatal: Optional[str]) -> tuple[Optional[PayloadId], Any]:
+        """Fetch unit ``k`` of every rank's chain; returns this rank's (unit, decoded object) or (None, None)."""
+        me = self.comm.rank
+        need = {r: chain[k] for r, chain in self.consensus.chains.items() if k < len(chain)}
+        cands = {r: cascade(self.consensus.copies[(r, pid)], self.rank_nodes[r]) for r, pid in need.items()}
+        result, got, notes, nxt = self._local_attempt(cands.get(me, []))
+        statuses = self.comm.gather({"got": got, "next": nxt, "notes": notes, "fatal": carried_fatal})
+        raise_fatal(statuses, f"round {k} (local copies)")
+        pending, idx = self._absorb(statuses, need)
+        attempt = 0
+        while pending:
+            for r in pending:
+                if idx[r] >= len(cands[r]):
+                    tried = ", ".join(c.describe() for c in cands[r]) or "no copy in any tier"
+                    raise Exhausted(f"rank {r} cannot get {need[r]} from any tier (tried: {tried})")
+            mine, status = self._remote_attempt(sorted(pending), cands, idx)
+            statuses = self.comm.gather(status)
+            raise_fatal(statuses, f"round {k} (remote attempt {attempt})")
+            if mine is not None:
+                result = mine
+            pending, _ = self._absorb(statuses, need, pending, idx)
+            attempt += 1
+        return need.get(me), result
+
+    def _local_attempt(self, mine: list[Copy]) -> tuple[Any, Optional[tuple[str, int]], list, int]:
+        """Try this rank's candidates on its own node, in order; returns (object, got, notes, next index)."""
+        notes, nxt = [], 0
+        for i, copy in enumerate(mine):
+            if copy.node != self.reader.node:
+                break
+            nxt = i + 1
+            try:
+                return self.reader.load(copy), (copy.reach(self.reader.node), copy.stamp.size), notes, nxt
+            except LOAD_ERRORS as e:
+                notes.append(_note(copy, e))
+        return None, None, notes, nxt
+
+    def _remote_attempt(self, pending: list[int], cands: dict[int, list[Copy]],
+                        idx: dict[int, int]) -> tuple[Any, dict]:
+        """Serve and receive the next candidate of every pending rank; returns (my object, my status)."""
+        me, node = self.comm.rank, self.reader.node
+        got, notes, fatal, mine = None, [], None, None
+        for r in pending:
+            copy = cands[r][idx[r]]
+            server = self.servers[copy.source_node(self.rank_nodes[r])]
+            if me not in (r, server) or fatal is not None:
+                continue
+            try:
+                if me == server == r:
+                    try:
+                        mine, got = self.reader.load(copy), (copy.reach(node), copy.stamp.size)
+                    except LOAD_ERRORS as e:
+                        notes.append(_note(copy, e))
+                elif me == server:
+                    notes.extend(self._serve(copy, r))
+                else:
+                    mine, got = self._receive(copy, server, notes)
+            except Exception as e:  # a broken link or a timeout: the pairing is lost, stop transferring
+                fatal = f"transfer of {copy.pid} of rank {r} ({copy.describe()}, served by rank {server}): {e}"
+        return mine, {"got": got, "next": None, "notes": notes, "fatal": fatal}
+
+    def _absorb(self, statuses: list[dict], need: dict[int, PayloadId], pending: Optional[set] = None,
+                idx: Optional[dict[int, int]] = None) -> tuple[set, dict[int, int]]:
+        """Fold a status gather into the ledger; returns the ranks still pending and their next candidate."""
+        for s in statuses:
+            self.ledger.fallbacks.extend(message for _, message in s["notes"])
+            self.ledger.bad.update(copy for copy, _ in s["notes"])
+        if idx is None:
+            idx = {r: statuses[r]["next"] for r in need}
+            pending = set(need)
+        still = set()
+        for r in pending:
+            got = statuses[r]["got"]
+            if got is not None:
+                self.ledger.served[(r, need[r])] = tuple(got)
+                self.ledger.moved[got[0]] += got[1]
+            else:
+                if statuses[r]["next"] is None:
+                    idx[r] += 1
+                still.add(r)
+        return still, idx
+
+    def _serve(self, copy: Copy, dst: int) -> list[tuple[Copy, str]]:
+        """Send ``copy`` to ``dst`` ("nothing" if this rank's copy is bad, with the reason in the notes)."""
+        try:
+            data, notes = self.reader.read(copy).data, []
+        except LOAD_ERRORS as e:
+            data, notes = None, [_note(copy, e)]
+        self.comm.send(data, dst)
+        return notes
+
+    def _receive(self, copy: Copy, server: int, notes: list) -> tuple[Any, Optional[tuple[str, int]]]:
+        data = self.comm.recv(server)
+        if data is None:
+            return None, None  # the server reported why in its own notes
+        source = f"{copy.describe()} (served by rank {server})"
+        try:
+            return self.reader.decode(data, copy, source), (copy.reach(self.reader.node), len(data))
+        except LOAD_ERRORS as e:
+            notes.append(_note(copy, e))
+            return None, None

@@ -1,0 +1,134 @@
+"""Recovery consensus: the base V and the end E every rank can reach, and the cheapest copy of each unit.
+
+Consensus (:func:`decide`, 000_*.txt section 3.3), a pure function of the
+merged inventory, so every rank computes the same answer:
+- V is the newest base version that *every* rank 0..world-1 has in some tier.
+  The paper phrases it as a global minimum of per-rank maxima; taking the
+  newest version in the intersection is the same thing when versions are
+  saved in lock step and stays correct when one rank's newest base is missing
+  on an older version.
+- E is the furthest step that every rank reaches from V through a contiguous
+  chain of whole diff batches (each from any tier), i.e. the newest end in the
+  intersection of the per-rank reachable ends (:mod:`..format.chain`).
+- Only copies of this job and layout count. Copies of another job or layout
+  are set aside; if they are all there is, recovery is refused naming both
+  (starting fresh over them would collide with their Tier-3 commit records).
+
+Cascade (:func:`cascade`): a rank tries the copies of a unit in tier order as it
+reaches them: its own node's memory, another node's memory, remote storage.
+
+Why copies are keyed by their stamp: the stamp carries size, xxh64, job id and
+layout, so whoever ends up serving a copy (the rank itself, another node's
+server rank, a Tier-3 leader) can be checked against the inventory's record.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from megatier.checkpoint.format.chain import chain_to, reachable
+from megatier.checkpoint.format.layout import layout_str as _layout_str
+from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.recover.inventory import RecoveryError
+from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Consensus:
+    """The agreed recovery: base V, end E, each rank's unit chain and every usable copy of those units."""
+
+    version: int
+    end: int
+    chains: dict[int, list[PayloadId]]
+    copies: dict[tuple[int, PayloadId], list[Copy]]
+    ignored: list[str] = field(default_factory=list)
+
+
+def _foreign_reason(c: Copy, job_id: str, degrees: tuple[int, int, int]) -> Optional[str]:
+    s = c.stamp
+    if s.job_id != job_id:
+        return f"job {s.job_id!r}"
+    if s.layout.degrees != degrees:
+        return f"layout {_layout_str(s.layout.degrees)}"
+    return None
+
+
+def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, degrees: tuple[int, int, int]) -> RecoveryError:
+    kinds = sorted({(c.stamp.job_id, c.stamp.layout.degrees) for c, _ in foreign})
+    found = "; ".join(f"job {j!r} with layout {_layout_str(d)}" for j, d in kinds)
+    c = foreign[0][0]
+    return RecoveryError(
+        f"refusing to recover: the only checkpoints found belong to {found} (e.g. {c.pid} of rank {c.owner} in "
+        f"{c.describe()}), but this job is {job_id!r} with layout {_layout_str(degrees)}. A checkpoint cannot be "
+        f"loaded into another job or layout: relaunch with the job id and layout it was written with, or use a "
+        f"new checkpoint.job_id")
+
+
+def _missing_message(bases: dict[int, set[int]], world_size: int, looked: str) -> str:
+    none = [r for r in range(world_size) if not bases[r]]
+    newest = max((v for vs in bases.values() for v in vs), default=None)
+    parts = []
+    if none:
+        parts.append(f"ranks {none} have no base in any tier")
+    if newest is not None:
+        lacking = [r for r in range(world_size) if newest not in bases[r]]
+        parts.append(f"the newest base v{newest} is missing for ranks {lacking}")
+        held = {r: sorted(bases[r]) for r in range(world_size) if bases[r]}
+        parts.append(f"bases found per rank: {held}")
+    return (f"no base version is available for every rank ({'; '.join(parts)}). Looked in {looked}. Refusing to "
+            f"start from random weights; set checkpoint.allow_fresh_start=true to start from scratch anyway")
+
+
+def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], world_size: int, traces: bool,
+           allow_fresh_start: bool, looked: str) -> Optional[Consensus]:
+    """The recovery point all ranks agree on, or None for a fresh start (nothing of this job exists).
+
+    Raises RecoveryError when traces exist but some rank has no base anywhere
+    (unless ``allow_fresh_start``: then a warning and None), and always when the
+    only checkpoints found are of another job or layout.
+    """
+    if not traces:
+        return None
+    usable, foreign = [], []
+    for c in copies:
+        reason = _foreign_reason(c, job_id, degrees)
+        if reason is None and 0 <= c.owner < world_size:
+            usable.append(c)
+        else:
+            foreign.append((c, reason or f"rank {c.owner} outside world {world_size}"))
+    bases: dict[int, set[int]] = {r: set() for r in range(world_size)}
+    diffs: dict[int, set[PayloadId]] = {r: set() for r in range(world_size)}
+    for c in usable:
+        (bases if c.pid.kind == BASE else diffs)[c.owner].add(c.pid.version if c.pid.kind == BASE else c.pid)
+    common = set.intersection(*bases.values()) if world_size else set()
+    if not common:
+        if foreign:
+            raise _refuse_foreign(foreign, job_id, degrees)
+        message = _missing_message(bases, world_size, looked)
+        if allow_fresh_start:
+            log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
+            return None
+        raise RecoveryError(message)
+    version = max(common)
+    reach = {r: reachable(version, diffs[r]) for r in range(world_size)}
+    end = max(set.intersection(*(set(x) for x in reach.values())))
+    chains = {r: chain_to(reach[r], version, end) for r in range(world_size)}
+    needed = {(r, pid) for r, chain in chains.items() for pid in chain}
+    by_unit: dict[tuple[int, PayloadId], list[Copy]] = {key: [] for key in needed}
+    for c in usable:
+        if (c.owner, c.pid) in by_unit:
+            by_unit[(c.owner, c.pid)].append(c)
+    ignored = [f"{c.pid} of rank {c.owner} in {c.describe()}: {why}" for c, why in foreign]
+    if ignored:
+        log.warning("recovery ignores %d copies of another job or layout, e.g. %s", len(ignored), ignored[0])
+    return Consensus(version, end, chains, by_unit, ignored)
+
+
+def cascade(copies: Iterable[Copy], node: str) -> list[Copy]:
+    """Cheapest source first for a rank on ``node``, in tier order as the rank reaches them: its node's
+    memory (own, then replica area), another node's memory (by node name), Tier-3. Copies with identical
+    bytes on several nodes are alternatives."""
+    return sorted(copies, key=lambda c: (TIER_ORDER.index(c.reach(node)), c.node or "", c.replica))

@@ -1,0 +1,56 @@
+"""The recovery record: what restore did, for metrics.jsonl, wandb and the failure drill's report."""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.recover.consensus import Consensus
+from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
+
+
+def failure_class(served: dict[tuple[int, PayloadId], tuple[str, int]], tier1_present: bool) -> str:
+    """Inferred from where the units came from: all from the ranks' own nodes -> software; some from other
+    nodes' memory and none from Tier-3 -> node; any from Tier-3 -> rack without any Tier-1 data, else mixed."""
+    tiers = {tier for tier, _ in served.values()}
+    if tiers <= {TIER1}:
+        return "software"
+    if TIER3 not in tiers:
+        return "node"
+    return "mixed" if tier1_present else "rack"
+
+
+def recovery_record(consensus: Consensus, served: dict[tuple[int, PayloadId], tuple[str, int]],
+                    moved: dict[str, int], fallbacks: list[str], *, times: list[tuple[float, float, float]],
+                    stale_removed: int, tier1_present: bool, last_step: Optional[int],
+                    rank_nodes: Optional[list[str]] = None) -> dict:
+    """The metrics record of a recovery; ``served[(rank, unit)] = (tier, bytes)`` of the pass that succeeded,
+    ``moved`` the verified bytes per tier over all passes, ``times`` each rank's (consensus, rollback, replay):
+    the record reports the slowest rank, since the job resumes when the last rank does.
+    ``source_tiers`` counts ranks by where their base came from; ``rank_tiers[r]`` lists every tier
+    rank r's units (base and diffs) came from, next to ``rank_nodes[r]``, the node rank r ran on."""
+    source_tiers = {TIER1: 0, TIER2: 0, TIER3: 0}
+    per_rank: dict[int, set[str]] = {}
+    for (rank, pid), (tier, _) in served.items():
+        per_rank.setdefault(rank, set()).add(tier)
+        if pid == PayloadId.base(consensus.version):
+            source_tiers[tier] += 1
+    return {
+        "event": "recovery",
+        "failure_class": failure_class(served, tier1_present),
+        "source_tiers": source_tiers,
+        "rank_tiers": [sorted(per_rank.get(r, ())) for r in range(max(per_rank, default=-1) + 1)],
+        "rank_nodes": list(rank_nodes) if rank_nodes is not None else None,
+        "version": consensus.version,
+        "end": consensus.end,
+        "t_consensus_s": max(t[0] for t in times),
+        "t_rollback_s": max(t[1] for t in times),
+        "t_replay_s": max(t[2] for t in times),
+        "bytes_tier1": moved.get(TIER1, 0),
+        "bytes_tier2": moved.get(TIER2, 0),
+        "bytes_tier3": moved.get(TIER3, 0),
+        "last_step": last_step,
+        "steps_lost": max(0, last_step - consensus.end) if last_step is not None else None,
+        "fallbacks": list(fallbacks),
+        "ignored_foreign_copies": len(consensus.ignored),
+        "stale_units_removed": stale_removed,
+    }

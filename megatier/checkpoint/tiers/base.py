@@ -1,0 +1,179 @@
+"""The Tier interface: what the save path and the recovery path do with every tier.
+
+The manager and recovery hold the job's tiers as one list, cheapest first
+(Tier-1 node memory, Tier-2 the ring peer's memory, Tier-3 remote storage);
+the recovery cascade tries copies in that order. Each tier implements four
+operations on units (a base or a diff batch of one rank):
+
+    put(payload)        take a finished unit (the save thread calls it, in unit order)
+    list()              what this tier holds, as Copies (the inventory at restore)
+    read(copy)          the bytes of a copy this rank can reach directly, checksum-verified
+    delete(pid, owner)  remove owner's copy of a unit (every rank's when owner is None)
+
+and a few hooks with neutral defaults: a per-step tick on the loop's thread,
+the tier's recovery point, reclamation behind the watermark, held bytes for
+the memory budget, draining at close.
+
+Who calls ``put``: the save thread, as soon as a unit is serialized, for most
+tiers. A *lockstep* tier (Tier-2, whose transfers pair up across ranks) gets
+each unit from the loop's thread instead, one step after the unit finished,
+at the same step on every rank.
+
+Scope says who lists a tier at restore: a ``NODE`` tier is one node's memory,
+the same for every rank on the node, so the node's lowest rank (its *server*)
+lists it and serves its copies to ranks on other nodes; a ``JOB`` tier
+(Tier-3) is one store for the whole job, listed once by rank 0 and read by one
+*leader* per node.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Optional
+
+from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, Stamp
+from megatier.checkpoint.format.units import PayloadId
+
+TIER1, TIER2, TIER3 = "tier1", "tier2", "tier3"
+TIER_ORDER = (TIER1, TIER2, TIER3)  # cheapest first: the recovery cascade
+NODE, JOB = "node", "job"
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One complete copy of a rank's unit, as a tier listed it.
+
+    ``tier`` is the label of the tier that holds (and reads) it; ``node`` the
+    node whose memory holds it, None for remote storage.
+    """
+
+    stamp: Stamp
+    tier: str
+    node: Optional[str]
+
+    @property
+    def owner(self) -> int:
+        return self.stamp.rank
+
+    @property
+    def pid(self) -> PayloadId:
+        return self.stamp.pid
+
+    @property
+    def replica(self) -> bool:
+        return self.tier == TIER2
+
+    def reach(self, node: str) -> str:
+        """How a rank on ``node`` gets this copy: its own node's memory (tier1), another node's (tier2),
+        or remote storage (tier3). Recovery records and the cascade speak in these terms."""
+        if self.node is None:
+            return TIER3
+        return TIER1 if self.node == node else TIER2
+
+    def source_node(self, reader_node: str) -> str:
+        """The node whose server hands this copy to a reader on ``reader_node``: the node holding it in
+        memory, or for remote storage the reader's own node (its leader fetches it)."""
+        return self.node if self.node is not None else reader_node
+
+    def describe(self) -> str:
+        if self.node is None:
+            return "Tier-3"
+        return f"{self.node} {'replica' if self.replica else 'own'} area"
+
+
+@dataclass
+class Listing:
+    """What one tier holds for the job, as listed at restore."""
+
+    copies: list[Copy] = field(default_factory=list)
+    traces: bool = False  # anything of the job exists here (complete or not)
+    incomplete: int = 0  # leftovers of crashed writes, never loaded
+    progress: dict[int, int] = field(default_factory=dict)  # rank -> newest step it reached (Tier-1)
+    notes: list[str] = field(default_factory=list)  # unreadable entries, for the recovery record
+
+
+class Tier(abc.ABC):
+    """One checkpoint tier as seen by one rank; see the module docstring for the contract."""
+
+    label: str  # TIER1 | TIER2 | TIER3
+    scope: str  # NODE | JOB
+    lockstep: bool = False  # units arrive from the loop's thread in lockstep (see the module docstring)
+
+    # ---- units -------------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def put(self, payload: EncodedPayload) -> None:
+        """Take this rank's finished unit; may return before it is stored (the tier's own thread)."""
+
+    def put_draft(self, draft: PayloadDraft) -> EncodedPayload:
+        """Serialize ``draft`` and take it; the first tier of the list serializes for all of them."""
+        payload = draft.to_payload()
+        self.put(payload)
+        return payload
+
+    @abc.abstractmethod
+    def list(self) -> Listing:
+        """What this tier holds now (for a NODE tier: every owner's units on this node)."""
+
+    @abc.abstractmethod
+    def read(self, copy: Copy) -> EncodedPayload:
+        """The verified bytes of ``copy``, which this rank reaches directly; PayloadError or StoreError if not."""
+
+    @abc.abstractmethod
+    def delete(self, pid: PayloadId, owner: Optional[int] = None) -> None:
+        """Remove ``owner``'s copy of ``pid`` (every rank's when None); it stops being a source before its
+        bytes go, and a missing unit is fine."""
+
+    def where(self) -> str:
+        """Where this tier lives, for messages."""
+        return self.label
+
+    # ---- the save path's hooks ---------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin background work; called once, after restore (which must see the tier undisturbed)."""
+
+    def on_step(self, step: int) -> float:
+        """The loop's tick after step ``step`` (after a lockstep tier's puts of that step); returns the
+        seconds the loop was held up."""
+        return 0.0
+
+    def point(self) -> Optional[int]:
+        """Newest step this rank could recover from this tier alone (None: nothing yet, or not known here)."""
+        return None
+
+    def durable_base(self) -> Optional[int]:
+        """Newest base this tier holds durably for every rank (Tier-3's commit; None elsewhere)."""
+        return None
+
+    def reclaim(self, watermark: int) -> None:
+        """Delete what watermark ``watermark`` (a base committed everywhere) made obsolete."""
+
+    def pending_bytes(self) -> int:
+        """Payload bytes held in host memory until this tier has them."""
+        return 0
+
+    def lag_cause(self) -> Optional[str]:
+        """Why this tier is behind, if it is (for the memory-budget warning)."""
+        return None
+
+    def metrics(self) -> dict:
+        """Per-step figures of this tier for the metrics record."""
+        return {}
+
+    def drain(self, step: int, timeout: float) -> None:
+        """At close, on every rank at the same ``step``: finish moving what this tier was given."""
+
+    def close(self, timeout: float) -> None:
+        """After every rank drained: final work (Tier-3's last commit round), then stop threads."""
+
+    # ---- the recovery path's hooks -----------------------------------------------------------
+
+    def settle(self) -> None:
+        """Before the inventory, on the rank that lists this tier: finish what a crashed launch left
+        half done, so the listing (and the decision made from it) is the same every time."""
+
+    def discard_after(self, end: int) -> list[str]:
+        """After a restore to ``end``, on the rank that lists this tier: delete leftovers of crashed
+        writes and units beyond ``end`` that could mix with the resumed run; returns what went."""
+        return []

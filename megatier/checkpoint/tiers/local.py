@@ -1,0 +1,117 @@
+"""Tier-1: this rank's units in its node's memory (``own/rank<R>/`` of :class:`NodeMemory`).
+
+Survives a software failure: the process dies, the node's memory (files under
+/dev/shm) does not. Being the cheapest tier it is first in the list, so the
+save thread serializes every payload straight into its Tier-1 file
+(:meth:`LocalTier.put_draft`) and the other tiers are offered a read-only map
+of that file: one copy of the tensors feeds all three tiers.
+
+It also keeps the rank's progress key (the newest step reached, for "steps
+lost" after a failure), rewritten at every step's tick.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+from megatier.checkpoint.format.chain import chain_end
+from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft
+from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.reclaim.executor import delete_units
+from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set
+from megatier.checkpoint.tiers.base import NODE, TIER1, Copy, Listing, Tier
+from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.faults import FaultHook, no_faults
+
+
+def list_area(memory: NodeMemory, label: str, *, replica: bool) -> Listing:
+    """Every owner's complete units in one kind of area of ``memory`` (own: Tier-1, replica: Tier-2)."""
+    entries = memory.entries(replica=replica)
+    copies = [Copy(s, label, memory.node) for s in memory.list(replica=replica)]
+    return Listing(copies=copies, traces=bool(entries), incomplete=sum(1 for e in entries if not e.complete))
+
+
+def discard_area(memory: NodeMemory, end: int, *, replica: bool) -> list[str]:
+    """Sweep crashed writers' leftovers in every area of one kind and delete units after ``end``."""
+    gone = []
+    kind = "replica" if replica else "own"
+    for owner in memory.owners(replica=replica):
+        memory.sweep_incomplete(owner, replica=replica)
+        held = [e.pid for e in memory.entries(replica=replica, owner_rank=owner)]
+        for pid in delete_units(beyond_end(held, end), lambda p: memory.delete(owner, p, replica=replica)):
+            gone.append(f"{memory.node} {kind} rank {owner} {pid}")
+    return gone
+
+
+class LocalTier(Tier):
+    """Tier-1 of rank ``rank``: its own area in ``memory``, this node's."""
+
+    label, scope = TIER1, NODE
+
+    def __init__(self, memory: NodeMemory, rank: int, *, fault: FaultHook = no_faults):
+        self.memory = memory
+        self.rank = rank
+        self.fault = fault
+        self._lock = threading.Lock()
+        # Units this launch wrote and still holds: the Tier-1 recovery point (read by the loop's thread).
+        self._bases: set[int] = set()
+        self._diffs: set[PayloadId] = set()
+
+    def where(self) -> str:
+        return f"Tier-1 on {self.memory.node}"
+
+    # ---- units -------------------------------------------------------------------------------
+
+    def put(self, payload: EncodedPayload) -> None:
+        self.memory.save(payload)
+        self._held(payload.stamp.pid, True)
+
+    def put_draft(self, draft: PayloadDraft) -> EncodedPayload:
+        payload = self.memory.save_draft(draft)
+        self._held(draft.pid, True)
+        return payload
+
+    def list(self) -> Listing:
+        listing = list_area(self.memory, self.label, replica=False)
+        listing.progress = self.memory.read_progress()
+        listing.traces = listing.traces or bool(listing.progress)
+        return listing
+
+    def read(self, copy: Copy) -> EncodedPayload:
+        return self.memory.load(copy.owner, copy.pid, replica=False)
+
+    def delete(self, pid: PayloadId, owner: Optional[int] = None) -> None:
+        for o in ([owner] if owner is not None else self.memory.owners(replica=False)):
+            self.memory.delete(o, pid)
+            if o == self.rank:
+                self._held(pid, False)
+
+    def _held(self, pid: PayloadId, present: bool) -> None:
+        with self._lock:
+            group = self._bases if pid.kind == BASE else self._diffs
+            key = pid.version if pid.kind == BASE else pid
+            (group.add if present else group.discard)(key)
+
+    # ---- save path ---------------------------------------------------------------------------
+
+    def on_step(self, step: int) -> float:
+        self.memory.write_progress(self.rank, step)
+        return 0.0
+
+    def point(self) -> Optional[int]:
+        with self._lock:
+            return chain_end(set(self._bases), set(self._diffs))
+
+    def reclaim(self, watermark: int) -> None:
+        held = [e.pid for e in self.memory.entries(replica=False, owner_rank=self.rank)]
+        delete_units(local_reclaim_set(held, watermark), lambda pid: self.delete(pid, self.rank), fault=self.fault)
+
+    def metrics(self) -> dict:
+        return {"tier1_bytes": self.memory.bytes_held()}
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def discard_after(self, end: int) -> list[str]:
+        gone = discard_area(self.memory, end, replica=False)
+        self.memory.clear_progress()
+        return gone

@@ -1,0 +1,96 @@
+"""Tier-2: this rank's units replicated into the memory of its ring peer's node.
+
+The same local rank on the next node of the ring (node n -> n+1 mod nodes)
+keeps our replica in its node's ``replica/`` area; we keep the replica of the
+same local rank on the previous node. Survives a node failure: the lost node's
+ranks read their replicas from the survivors.
+
+A lockstep tier: the manager puts each finished unit from the loop's thread one
+step after the unit finished, the same step on every rank, and the tick that
+follows hands them to the :class:`PeerReplicator`, whose paired transfers run
+in a background thread. At restore, the replicas a node holds are listed by
+that node and sent over the network to the ranks that need them.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from megatier.checkpoint.format.payload import EncodedPayload
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.reclaim.executor import delete_units
+from megatier.checkpoint.reclaim.policy import local_reclaim_set
+from megatier.checkpoint.tiers.base import NODE, TIER2, Copy, Listing, Tier
+from megatier.checkpoint.tiers.local import discard_area, list_area
+from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.checkpoint.tiers.replicator import PeerReplicator
+from megatier.faults import FaultHook, no_faults
+
+
+class PeerTier(Tier):
+    """Tier-2 of rank ``rank``: sends to ``replicator.holder``, keeps ``replicator.owner``'s replicas."""
+
+    label, scope, lockstep = TIER2, NODE, True
+
+    def __init__(self, memory: NodeMemory, replicator: PeerReplicator, *, fault: FaultHook = no_faults):
+        self.memory = memory
+        self.replicator = replicator
+        self.fault = fault
+        self._due: dict[str, EncodedPayload] = {}  # put this step, handed over at the tick
+
+    def where(self) -> str:
+        return f"Tier-2 (rank {self.replicator.holder}, on the next node of the ring)"
+
+    # ---- units -------------------------------------------------------------------------------
+
+    def put(self, payload: EncodedPayload) -> None:
+        kind = payload.stamp.pid.kind
+        if kind in self._due:
+            raise ValueError(f"two {kind} units handed to Tier-2 in one step ({self._due[kind].stamp.pid}, "
+                             f"{payload.stamp.pid})")
+        self._due[kind] = payload
+
+    def list(self) -> Listing:
+        return list_area(self.memory, self.label, replica=True)
+
+    def read(self, copy: Copy) -> EncodedPayload:
+        return self.memory.load(copy.owner, copy.pid, replica=True)
+
+    def delete(self, pid: PayloadId, owner: Optional[int] = None) -> None:
+        for o in ([owner] if owner is not None else self.memory.owners(replica=True)):
+            self.memory.delete(o, pid, replica=True)
+
+    # ---- save path ---------------------------------------------------------------------------
+
+    def on_step(self, step: int) -> float:
+        due, self._due = self._due, {}
+        return self.replicator.on_step(step, diff=due.get(DIFF), base=due.get(BASE))
+
+    def point(self) -> Optional[int]:
+        """Newest step the holder has acknowledged: a node failure recovers this rank from there."""
+        acked = self.replicator.status().acked_units
+        base, diff = acked.get(BASE), acked.get(DIFF)
+        if base is None:
+            return None
+        return max(base.version, diff.last) if diff is not None else base.version
+
+    def reclaim(self, watermark: int) -> None:
+        owner = self.replicator.owner
+        held = [e.pid for e in self.memory.entries(replica=True, owner_rank=owner)]
+        delete_units(local_reclaim_set(held, watermark), lambda pid: self.delete(pid, owner), fault=self.fault)
+
+    def pending_bytes(self) -> int:
+        return sum(p.stamp.size for p in self._due.values()) + self.replicator.status().pending_bytes
+
+    def lag_cause(self) -> Optional[str]:
+        if self.replicator.status().pending_bytes:
+            return "Tier-2 transfers to the ring peer are behind"
+        return None
+
+    def drain(self, step: int, timeout: float) -> None:
+        self.on_step(step)
+        self.replicator.close(timeout)
+
+    # ---- recovery ----------------------------------------------------------------------------
+
+    def discard_after(self, end: int) -> list[str]:
+        return discard_area(self.memory, end, replica=True)

@@ -1,0 +1,276 @@
+"""Failure drill: inject a software, node or rack failure into a job on a simulated cluster and check recovery.
+
+    megatier-drill --nodes 2 --procs-per-node 2 --fail node --at-step 17 --compare -- \\
+        model=tiny parallel.tp=2 train.iters=30 checkpoint.base_interval=20 checkpoint.diff.compression=fp32
+
+The job runs with all three checkpoint tiers (``checkpoint=tiered`` unless the
+overrides pick another checkpoint preset) on ``--nodes`` simulated nodes, one
+torchrun agent each (:mod:`megatier.cli.launch`), with its Tier-1 root,
+Tier-3 directory and run directory under ``--work-dir``. For each step S of
+``--at-step`` the drill:
+
+  software  arms the ``train.step_end`` crash point at S on the processes of one
+            node (``--victim``, default the last): they SIGKILL themselves right after
+            step S, the launcher stops the others, and the job is relaunched on the
+            same nodes, Tier-1 memory intact;
+  node      the same kill, then wipes the victim node's Tier-1 area (its memory is
+            gone) and relaunches with a replacement node of the same name;
+  rack      kills every process at S, wipes every node's Tier-1 area, relaunches.
+
+The relaunched job recovers (its ``restore()``) and trains on to ``train.iters``.
+The drill then reads each recovery record from the run's metrics.jsonl and
+checks it against what the class requires:
+
+  software  every rank served from its own node's memory (Tier-1), zero bytes from
+            Tier-3, at most one diff batch of steps lost;
+  node      the victim node's ranks from Tier-2 (their replicas on the ring peer),
+            every other rank from Tier-1, zero bytes from Tier-3, at most one diff
+            batch lost;
+  rack      every rank from Tier-3.
+
+With ``--compare`` it also runs the same job without a failure (in its own
+directories) and compares the final ``state_digest``: with lossless diffs
+(``checkpoint.diff.compression=fp32``) the two must be bit-identical; with lossy
+ones the report gives the final-loss difference instead. The exit status is 0
+when every check passed, 1 when recovery did not happen as the class requires
+(the report says which check failed), 2 for bad arguments.
+
+Which S to pick: the newest base a node failure can recover from Tier-2 is the
+newest whose replica finished its paced transfer (about 4/5 of a base interval
+after the base), so an S late in a base interval exercises Tier-2; earlier, the
+newest base is already committed on Tier-3 and the victim's ranks rightly read
+it from there (the report says so).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from megatier.cli.drill_report import CLASSES, Recovery, check_recovery, final_problems, format_report, victims
+from megatier.cli.launch import LocalCluster
+from megatier.config import split_overrides
+from megatier.faults import CrashPoint
+
+REPO = Path(__file__).resolve().parents[2]  # pretrain_gpt.py lives at the repository root
+
+
+@dataclass
+class Job:
+    """Where one job lives and what the drill needs to know of its config."""
+
+    work: str
+    overrides: list[str]
+    job_id: str = ""
+    local_root: str = ""
+    run_dir: str = ""
+    iters: int = 0
+    batch: int = 0
+    compression: str = ""
+
+    @property
+    def tier1_root(self) -> str:
+        return os.path.join(self.local_root, self.job_id)
+
+    def node_area(self, node: str) -> str:
+        return os.path.join(self.tier1_root, node)
+
+
+def make_job(work: str, user_overrides: list[str]) -> Job:
+    """The job's overrides (drill directories first, the user's win) and the resolved config."""
+    from megatier.config import compose_config
+
+    ours = [f"checkpoint.local.root={work}/shm", f"checkpoint.remote.url={work}/remote",
+            f"logging.run_dir={work}/run", "checkpoint.job_id=drill", "logging.progress=false"]
+    if not any(o.lstrip("+~").startswith("checkpoint=") for o in user_overrides):
+        ours.insert(0, "checkpoint=tiered")
+    overrides = ours + list(user_overrides)
+    cfg = compose_config(overrides)
+    c = cfg.checkpoint
+    if not c.enabled:
+        raise SystemExit("failure_drill: the overrides turn checkpointing off (checkpoint.enabled=false); a drill "
+                         "needs it on")
+    return Job(work, overrides, c.job_id, c.local.root, cfg.logging.run_dir, cfg.train.iters, c.diff.batch,
+               c.diff.compression)
+
+
+def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None) -> int:
+    """Run the job once on the simulated cluster; output goes to ``<work>/<log_name>.log``."""
+    log_path = os.path.join(job.work, f"{log_name}.log")
+    script = [str(REPO / "pretrain_gpt.py"), *job.overrides]
+    # Progress on stderr: the launches take minutes and their own output goes to the log.
+    print(f"failure_drill: {log_name} on {args.nodes} x {args.procs_per_node} processes (log {log_path})",
+          file=sys.stderr, flush=True)
+    with open(log_path, "w") as log:
+        saved = os.dup(1), os.dup(2)
+        os.dup2(log.fileno(), 1)  # the agents inherit the drill's stdout/stderr
+        os.dup2(log.fileno(), 2)
+        try:
+            cluster = LocalCluster(args.nodes, args.procs_per_node, script, node_env=node_env)
+            cluster.start()
+            return cluster.wait(fail_grace_s=args.fail_grace_s, timeout_s=args.timeout_s)
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def read_metrics(job: Job) -> list[dict]:
+    path = os.path.join(job.run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def inject(args, job: Job, at_step: int, k: int) -> int:
+    """Launch with the crash point armed at ``at_step`` on the victims; then wipe what the class loses."""
+    env = {i: {"MEGATIER_CRASH_AT": f"{CrashPoint.TRAIN_STEP_END}:{at_step}"} for i in victims(args)}
+    status = launch(args, job, f"launch{k}-fail-at-{at_step}", env)
+    if args.fail in ("node", "rack"):
+        for i in victims(args):
+            shutil.rmtree(job.node_area(f"node{i}"), ignore_errors=True)  # the node's memory is gone
+    elif args.corrupt:
+        flip_newest_base_byte(job, f"node{args.victim}")
+    return status
+
+
+def flip_newest_base_byte(job: Job, node: str) -> str:
+    """Flip one byte in the middle of the newest base in ``node``'s own Tier-1 area (first rank there)."""
+    own = os.path.join(job.node_area(node), "own")
+    ranks = sorted(os.listdir(own)) if os.path.isdir(own) else []
+    bases = sorted(Path(own, ranks[0], "base").glob("v*.safetensors")) if ranks else []
+    if not bases:
+        raise SystemExit(f"failure_drill --corrupt: no base payload in {own} to corrupt")
+    path = str(bases[-1])
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    print(f"failure_drill: flipped one byte of {path}", file=sys.stderr)
+    return path
+
+
+def run_drill(args, job: Job) -> tuple[list[Recovery], list[dict], int]:
+    """Inject every failure in turn, then let the job finish; returns the recoveries and the final launch."""
+    recoveries: list[Recovery] = []
+    for k, at_step in enumerate(sorted(args.at_step)):
+        status = inject(args, job, at_step, k)
+        last = [r["step"] for r in read_metrics(job) if "loss" in r and r.get("event") is None]
+        rec = Recovery(at_step, status)
+        if status == 0 or not last or last[-1] != at_step:
+            rec.problems.append(f"launch {k} was to die at step {at_step} but exited {status} with its last "
+                                f"logged step {last[-1] if last else None}; see {job.work}/launch{k}-*.log")
+        recoveries.append(rec)
+        if recoveries[-1].problems:
+            return recoveries, read_metrics(job), status
+        if k > 0:
+            recoveries[k - 1].record = _recovery_record(read_metrics(job))
+    status = launch(args, job, f"launch{len(recoveries)}-finish")
+    final = read_metrics(job)
+    recoveries[-1].record = _recovery_record(final)
+    for rec in recoveries:
+        check_recovery(args, job, rec)
+    return recoveries, final, status
+
+
+def _recovery_record(records: list[dict]) -> Optional[dict]:
+    found = [r for r in records if r.get("event") == "recovery"]
+    return found[0] if found else None
+
+
+def _summary(records: list[dict]) -> dict:
+    found = [r for r in records if r.get("event") == "summary"]
+    return found[-1] if found else {}
+
+
+def run_reference(args, job_overrides: list[str]) -> dict:
+    """The same job without a failure, in its own directories; returns its summary record."""
+    ref = make_job(os.path.join(args.work_dir, "reference"), job_overrides)
+    os.makedirs(ref.work, exist_ok=True)
+    status = launch(args, ref, "reference")
+    summary = _summary(read_metrics(ref))
+    if status != 0 or not summary:
+        raise SystemExit(f"failure_drill: the fault-free reference run failed (exit {status}); see {ref.work}/"
+                         f"reference.log")
+    return summary
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    argv, overrides = split_overrides(argv)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Hydra overrides for the job go after --",
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes (one torchrun agent each)")
+    p.add_argument("--procs-per-node", type=int, default=2, help="training processes per node")
+    p.add_argument("--fail", choices=CLASSES, required=True, help="failure class to inject")
+    p.add_argument("--at-step", type=int, nargs="+", required=True, help="step(s) after which the failure strikes")
+    p.add_argument("--victim", type=int, default=None, help="node index killed by a software/node failure "
+                                                            "(default: the last node)")
+    p.add_argument("--corrupt", action="store_true", help="software failures: flip one byte of the victim node's "
+                                                          "newest Tier-1 base before relaunching (checksum drill)")
+    p.add_argument("--compare", action="store_true", help="also run fault-free and compare the final state_digest")
+    p.add_argument("--work-dir", default=None, help="directory for tiers, runs and logs (default: a new temp dir)")
+    p.add_argument("--json", default=None, help="write the report's data here as JSON")
+    p.add_argument("--timeout-s", type=float, default=900.0, help="limit for each launch of the job")
+    p.add_argument("--fail-grace-s", type=float, default=5.0,
+                   help="after the victims die, seconds the other nodes get before they are stopped")
+    args = p.parse_args(argv)
+    args.overrides = overrides
+    if args.nodes < 1 or args.procs_per_node < 1:
+        p.error("--nodes and --procs-per-node must be >= 1")
+    if args.victim is None:
+        args.victim = args.nodes - 1
+    if not 0 <= args.victim < args.nodes:
+        p.error(f"--victim {args.victim} is not a node index in [0, {args.nodes})")
+    if args.fail == "node" and args.nodes < 2:
+        p.error("a node failure needs --nodes >= 2: the lost node's replicas live on its ring peer")
+    if args.corrupt and args.fail != "software":
+        p.error("--corrupt goes with --fail software (node and rack failures wipe the Tier-1 copy anyway)")
+    if len(set(args.at_step)) != len(args.at_step) or min(args.at_step) < 1:
+        p.error(f"--at-step {args.at_step}: give distinct steps >= 1")
+    args.at_step = sorted(args.at_step)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args.work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="megatier_drill_"))
+    job = make_job(os.path.join(args.work_dir, "drill"), args.overrides)
+    if args.at_step[-1] >= job.iters:
+        raise SystemExit(f"failure_drill: --at-step {args.at_step[-1]} must be below train.iters={job.iters}, "
+                         f"so the job has steps left to finish after recovering")
+    if os.path.exists(job.work) and os.listdir(job.work):
+        raise SystemExit(f"failure_drill: {job.work} is not empty; give a fresh --work-dir (the drill never "
+                         f"reuses or deletes an earlier job's checkpoints)")
+    os.makedirs(job.work, exist_ok=True)
+    recoveries, records, status = run_drill(args, job)
+    final = _summary(records)
+    # A drill that already went wrong is reported as it is; a reference run would add nothing.
+    drilled = not any(rec.problems for rec in recoveries)
+    reference = run_reference(args, args.overrides) if args.compare and drilled else None
+    problems = final_problems(args, job, recoveries, final, status, reference)
+    print(format_report(args, job, recoveries, final, status, reference, problems))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ok": not problems, "problems": problems, "fail": args.fail, "at_steps": args.at_step,
+                       "nodes": args.nodes, "procs_per_node": args.procs_per_node, "work_dir": job.work,
+                       "run_dir": job.run_dir, "recoveries": [r.record for r in recoveries],
+                       "notes": [n for r in recoveries for n in r.notes], "final_loss": final.get("loss"),
+                       "final_digest": final.get("state_digest"),
+                       "final_val_loss": final.get("val_loss"),
+                       "reference_loss": reference.get("loss") if reference else None,
+                       "reference_val_loss": reference.get("val_loss") if reference else None,
+                       "reference_digest": reference.get("state_digest") if reference else None}, f, indent=1)
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

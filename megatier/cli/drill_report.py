@@ -1,0 +1,137 @@
+"""The failure drill's verdict and report: what each failure class requires of a recovery, and the text."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from megatier.checkpoint.tiers.base import TIER1, TIER3
+
+if TYPE_CHECKING:
+    from megatier.cli.drill import Job
+
+CLASSES = ("software", "node", "rack")
+
+
+@dataclass
+class Recovery:
+    """One injected failure and what the relaunched job did about it."""
+
+    at_step: int
+    crash_status: int
+    record: Optional[dict] = None
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def victims(args) -> list[int]:
+    """The node indices a failure of ``args.fail`` kills."""
+    return list(range(args.nodes)) if args.fail == "rack" else [args.victim]
+
+
+def check_recovery(args, job: Job, rec: Recovery) -> None:
+    """Compare one recovery record with what its failure class requires; problems make the drill fail."""
+    r = rec.record
+    if r is None:
+        rec.problems.append("the relaunched job logged no recovery record: it did not recover")
+        return
+    lost = rec.at_step - r["end"]
+    r["steps_lost_drill"] = lost  # from the step the drill killed at (Tier-1 progress may be wiped)
+    tiers, nodes = r.get("rank_tiers") or [], r.get("rank_nodes") or []
+    lost_nodes = {f"node{i}" for i in victims(args)}
+    if args.fail in ("software", "node") and lost > job.batch:
+        rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a "
+                            f"{args.fail} failure may lose at most one diff batch ({job.batch})")
+    if args.fail == "rack":
+        wrong = [q for q, t in enumerate(tiers) if t != [TIER3]]
+        if wrong or r["failure_class"] != "rack":
+            rec.problems.append(f"rack failure: ranks {wrong} were not served from Tier-3 only "
+                                f"(class {r['failure_class']})")
+        return
+    if args.corrupt and not any("base" in f and "xxh64" in f for f in r.get("fallbacks", [])):
+        rec.problems.append("the corrupted Tier-1 base was not reported as a failed checksum in the fallbacks")
+    if args.corrupt:
+        return  # the corrupted rank rightly reads its base from another tier
+    for q, (t, node) in enumerate(zip(tiers, nodes)):
+        if node not in lost_nodes or args.fail == "software":
+            if t != [TIER1]:
+                rec.problems.append(f"rank {q} on surviving {node} was served from {t}, not its own Tier-1")
+        elif TIER1 in t:
+            rec.problems.append(f"rank {q} on the replaced {node} was served from Tier-1, which was wiped")
+        elif TIER3 in t:
+            rec.notes.append(f"rank {q} read from {t}: the newest base's Tier-2 replica was still in transfer "
+                             f"(pick --at-step later in a base interval to exercise Tier-2)")
+    if args.fail == "software" and r["bytes_tier3"]:
+        rec.problems.append(f"software failure read {r['bytes_tier3']} bytes from Tier-3; Tier-1 should serve it")
+    if args.fail == "node" and r["bytes_tier3"] and not rec.notes:
+        rec.problems.append(f"node failure read {r['bytes_tier3']} bytes from Tier-3")
+
+
+def _mib(n: Optional[int]) -> str:
+    return "-" if n is None else f"{n / (1 << 20):.2f} MiB"
+
+
+def _fmt(value) -> str:
+    return "n/a" if value is None else f"{value:.6f}"
+
+
+def _val_delta(final: dict, reference: dict) -> str:
+    # Validation loss averages over fixed held-out batches, so it is the steadier measure of "ended in the same
+    # place" than one training batch's loss when lossy diffs let the two runs drift apart.
+    if final.get("val_loss") is None or reference.get("val_loss") is None:
+        return ""
+    rel = abs(final["val_loss"] - reference["val_loss"]) / abs(reference["val_loss"])
+    return f", val_loss by {100 * rel:.4f}%"
+
+
+def format_report(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
+                  reference: Optional[dict], problems: list[str]) -> str:
+    """The human-readable drill report."""
+    who = "every node" if args.fail == "rack" else f"node{args.victim}"
+    lines = [f"failure drill: {args.fail} failure ({who}) at step(s) {', '.join(map(str, args.at_step))} on "
+             f"{args.nodes} nodes x {args.procs_per_node} processes; job {job.job_id!r}, diff "
+             f"{job.compression} batch {job.batch}, {job.iters} steps; logs and tiers in {job.work}"]
+    for i, rec in enumerate(recoveries, 1):
+        r = rec.record
+        lines.append(f"  failure {i}: killed at step {rec.at_step} (launch exit {rec.crash_status})")
+        if r is None:
+            continue
+        sources = ", ".join(f"rank {q}@{node}: {'+'.join(t) or '-'}"
+                            for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], r.get("rank_nodes") or [])))
+        lines += [
+            f"    class {r['failure_class']} (injected {args.fail}); base V={r['version']}, replayed to E={r['end']}, "
+            f"steps lost {r.get('steps_lost_drill')} (at most {job.batch} for software/node)",
+            f"    source tier per rank: {sources}",
+            f"    bases by tier: {r['source_tiers']}; bytes read tier1 {_mib(r['bytes_tier1'])}, tier2 "
+            f"{_mib(r['bytes_tier2'])}, tier3 {_mib(r['bytes_tier3'])}",
+            f"    t_consensus {r['t_consensus_s']:.3f} s, t_rollback {r['t_rollback_s']:.3f} s, t_replay "
+            f"{r['t_replay_s']:.3f} s" + (f"; fallbacks: {'; '.join(r['fallbacks'])}" if r.get("fallbacks") else "")]
+        lines += [f"    note: {n}" for n in rec.notes]
+    if final:
+        lines.append(f"  final: step {final.get('step')} loss {final.get('loss', float('nan')):.6f} val_loss "
+                     f"{_fmt(final.get('val_loss'))} state_digest {final.get('state_digest')} (exit {status})")
+        lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
+    if reference is not None:
+        same = reference.get("state_digest") == final.get("state_digest")
+        rel = abs(final.get("loss", 0.0) - reference["loss"]) / abs(reference["loss"])
+        lines.append(f"  compare: fault-free loss {reference['loss']:.6f} val_loss {_fmt(reference.get('val_loss'))} "
+                     f"state_digest {reference['state_digest']} -> {'bit-identical' if same else 'different'}; "
+                     f"final loss differs by {100 * rel:.4f}%" + _val_delta(final, reference))
+    lines += [f"  FAILED CHECK: {p}" for p in problems]
+    lines.append("RESULT: " + ("recovery as the class requires" if not problems else "recovery did NOT happen as "
+                                                                                     "the class requires"))
+    return "\n".join(lines)
+
+
+def final_problems(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
+                   reference: Optional[dict]) -> list[str]:
+    problems = [p for rec in recoveries for p in rec.problems]
+    if status != 0 or final.get("step") != job.iters:
+        problems.append(f"the recovered job did not finish: exit {status}, last summary step {final.get('step')} "
+                        f"of {job.iters}; see the last launch log in {job.work}")
+    if reference is not None and final and job.compression == "fp32" and \
+            reference.get("state_digest") != final.get("state_digest"):
+        problems.append("with lossless diffs (fp32) the recovered run must end bit-identical to the fault-free run; "
+                        f"digests {final.get('state_digest')} vs {reference.get('state_digest')}")
+    return problems
+
+

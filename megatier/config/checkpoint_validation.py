@@ -1,0 +1,134 @@
+"""Cross-field checks of the ``checkpoint`` config group.
+
+- :func:`check_checkpoint_config` runs with every other check, before any side
+  effect; it raises :class:`~megatier.config.ConfigError` with a one-line
+  reason naming the field and a fix.
+- :func:`effective_checkpoint_config` runs once the topology is known: on a
+  one-node job it drops the peer tier (a replica on the same node survives
+  nothing Tier-1 does not) with a :class:`CheckpointConfigWarning`. The caller
+  makes the result *the* run's config, the one it writes to config.yaml.
+
+Rules beyond per-field ranges:
+- ``base_interval`` must be a multiple of ``diff.batch``. Then every diff batch
+  lies inside one base interval, every base version ends a batch, and replay
+  from any base starts at a batch boundary; reclamation can drop whole batches.
+- ``peer`` requires ``local``: a replica lives in the holder node's Tier-1 area.
+- ``remote.endpoint_url`` only makes sense with an ``s3://`` url.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import warnings
+from typing import Optional
+from urllib.parse import urlparse
+
+from megatier.config.schema import CheckpointConfig
+from megatier.config.schema import require as _require
+
+TIERS = ("local", "peer", "remote")
+COMPRESSIONS = ("adaptive", "int8", "topk", "bf16", "fp32")
+# A job id becomes a directory name and part of every S3 key.
+_JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# S3 bucket naming rules (lowercase letters, digits, dots, hyphens; 3-63 characters).
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+
+
+class CheckpointConfigWarning(UserWarning):
+    """A checkpoint setting that cannot take effect on this job and was adjusted."""
+
+
+def _check_tiers(cfg: CheckpointConfig) -> None:
+    tiers = list(cfg.tiers)
+    _require(len(tiers) > 0, "checkpoint.tiers is empty; list at least one of local, peer, remote "
+                             "(or set checkpoint.enabled=false)")
+    for tier in tiers:
+        _require(tier in TIERS, f"checkpoint.tiers contains {tier!r}; valid tiers are {', '.join(TIERS)}")
+    _require(len(set(tiers)) == len(tiers), f"checkpoint.tiers={tiers} lists a tier twice; list each once")
+    _require("peer" not in tiers or "local" in tiers,
+             "checkpoint.tiers has peer without local; a peer replica is kept in the holder's Tier-1 area, "
+             "so add local")
+
+
+def _check_streams(cfg: CheckpointConfig) -> None:
+    d = cfg.diff
+    _require(cfg.base_interval > 0, f"checkpoint.base_interval={cfg.base_interval} must be positive")
+    _require(d.batch > 0, f"checkpoint.diff.batch={d.batch} must be positive")
+    _require(cfg.base_interval % d.batch == 0,
+             f"checkpoint.base_interval={cfg.base_interval} is not a multiple of checkpoint.diff.batch={d.batch}; "
+             f"diff batches must not straddle a base, so choose e.g. base_interval="
+             f"{max(d.batch, cfg.base_interval // d.batch * d.batch)}")
+    _require(d.compression in COMPRESSIONS,
+             f"checkpoint.diff.compression={d.compression!r} must be one of {', '.join(COMPRESSIONS)}")
+    _require(0.0 < d.topk_ratio <= 1.0, f"checkpoint.diff.topk_ratio={d.topk_ratio} must be in (0, 1]")
+    _require(d.small_threshold >= 0, f"checkpoint.diff.small_threshold={d.small_threshold} must be >= 0")
+    _require(cfg.peer.max_chunk_mib > 0, f"checkpoint.peer.max_chunk_mib={cfg.peer.max_chunk_mib} must be positive")
+    _require(cfg.memory_budget_gib > 0, f"checkpoint.memory_budget_gib={cfg.memory_budget_gib} must be positive")
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _check_local_root(root: str) -> None:
+    _require(bool(root), "checkpoint.local.root is empty; set it to a RAM-backed directory such as /dev/shm/megatier")
+    existing = _nearest_existing(root)
+    _require(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
+             f"checkpoint.local.root={root!r}: {existing} is not a writable directory; point local.root at a "
+             f"writable RAM-backed directory (a tmpfs mount such as /dev/shm)")
+
+
+def check_remote_url(url: str, endpoint_url: Optional[str]) -> None:
+    """Raise ConfigError unless ``url`` is a directory path, file:// or s3://bucket[/prefix]."""
+    _require(bool(url), "checkpoint.remote.url is empty; set a directory path or s3://bucket/prefix")
+    parsed = urlparse(url)
+    scheme = parsed.scheme
+    # A Windows drive letter parses as a one-letter scheme; this project runs on POSIX only.
+    _require(scheme in ("", "file", "s3"),
+             f"checkpoint.remote.url={url!r}: scheme {scheme!r} is not supported; use a directory path, "
+             f"file:///path or s3://bucket/prefix")
+    if scheme == "s3":
+        _require(bool(_BUCKET.match(parsed.netloc)),
+                 f"checkpoint.remote.url={url!r}: {parsed.netloc!r} is not a valid S3 bucket name "
+                 f"(3-63 lowercase letters, digits, dots or hyphens)")
+    if endpoint_url is not None:
+        _require(scheme == "s3", f"checkpoint.remote.endpoint_url={endpoint_url!r} is set but "
+                                 f"checkpoint.remote.url={url!r} is not s3://; drop endpoint_url or use an s3:// url")
+        ep = urlparse(endpoint_url)
+        _require(ep.scheme in ("http", "https") and bool(ep.netloc),
+                 f"checkpoint.remote.endpoint_url={endpoint_url!r} must look like http://host:port or https://host")
+
+
+def check_checkpoint_config(cfg: CheckpointConfig) -> None:
+    """Raise ConfigError naming the field and what to do unless ``cfg`` can work (disabled: always fine)."""
+    if not cfg.enabled:
+        return
+    _require(bool(_JOB_ID.match(cfg.job_id or "")),
+             f"checkpoint.job_id={cfg.job_id!r} is not a plain name; use letters, digits, '.', '_' or '-' "
+             f"(at most 128, starting with a letter or digit)")
+    _check_tiers(cfg)
+    _check_streams(cfg)
+    if "local" in cfg.tiers:
+        _check_local_root(cfg.local.root)
+    if "remote" in cfg.tiers:
+        check_remote_url(cfg.remote.url, cfg.remote.endpoint_url)
+        _require(cfg.remote.keep_bases >= 1, f"checkpoint.remote.keep_bases={cfg.remote.keep_bases} must be >= 1; "
+                                             f"the recovery point needs at least one base")
+
+
+def effective_checkpoint_config(cfg: CheckpointConfig, num_nodes: int) -> CheckpointConfig:
+    """``cfg`` as it can take effect on a job of ``num_nodes`` nodes, warning about each change."""
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes={num_nodes} must be >= 1")
+    if not cfg.enabled or "peer" not in cfg.tiers or num_nodes >= 2:
+        return cfg
+    warnings.warn("checkpoint.tiers includes peer but the job has 1 node; a same-node replica survives "
+                  "nothing Tier-1 does not, so the peer tier is skipped", CheckpointConfigWarning, stacklevel=2)
+    return dataclasses.replace(cfg, tiers=[t for t in cfg.tiers if t != "peer"])

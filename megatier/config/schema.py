@@ -1,0 +1,195 @@
+"""Typed configuration schemas: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Every component receives only its own sub-config (a dataclass below), never the
+root.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message names the fields and a fix."""
+
+
+def require(ok: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ``ok``."""
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    """GPT-2 shape. ``ffn_hidden_size`` defaults to 4 * hidden_size."""
+
+    name: str = "tiny"
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_heads: int = 4
+    ffn_hidden_size: Optional[int] = None
+    max_position_embeddings: int = 128
+    # None: taken from the dataset's tokenizer, then padded (see padded_vocab_size).
+    vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    layernorm_eps: float = 1e-5
+    init_std: float = 0.02
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout. dp is derived: world_size / (tp * pp)."""
+
+    tp: int = 1
+    pp: int = 1
+    # Seconds any collective may take before the run fails instead of hanging.
+    timeout_s: float = 600.0
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with warmup + cosine decay, global-norm clipping and a dynamic loss scaler."""
+
+    lr: float = 6e-4
+    min_lr: float = 6e-5
+    warmup_iters: int = 10
+    # None: decay over the whole run (train.iters).
+    decay_iters: Optional[int] = None
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # 0 disables clipping.
+    clip_grad: float = 1.0
+    # fp16 dynamic loss scaling (ignored for fp32/bf16).
+    initial_loss_scale: float = 65536.0
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+
+@dataclass
+class DataConfig:
+    """Token dataset. ``prefix`` names ``<prefix>.bin`` / ``<prefix>.idx`` from scripts/preprocess_data.py."""
+
+    # None: the default corpus (Python's standard library source), built on first use in cache_dir.
+    prefix: Optional[str] = None
+    # None: $MEGATIER_CACHE, else ~/.cache/megatier.
+    cache_dir: Optional[str] = None
+    # Tokenizer for the default corpus only: byte | bpe.
+    tokenizer: str = "byte"
+    bpe_vocab_size: int = 4096
+    default_corpus_mib: float = 8.0
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    seed: int = 1234
+
+
+@dataclass
+class TrainConfig:
+    """Loop settings. global_batch_size = micro_batch_size * dp * micro-batches per step."""
+
+    iters: int = 100
+    global_batch_size: int = 8
+    micro_batch_size: int = 4
+    seed: int = 1234
+    precision: str = "fp32"  # fp32 | bf16 | fp16
+    device: str = "auto"  # auto | cpu | cuda
+    eval_interval: int = 50
+    eval_iters: int = 2
+    # None: leave torch's default.
+    threads: Optional[int] = None
+
+
+@dataclass
+class DiffStreamConfig:
+    """Differential stream: every step's gradient shard, compressed, saved N steps per batch."""
+
+    # N consecutive steps per diff batch, the unit of saving and replay.
+    batch: int = 5
+    compression: str = "adaptive"  # adaptive | int8 | topk | bf16 | fp32 (fp32 replays bit for bit)
+    topk_ratio: float = 0.01
+    # adaptive: segments with fewer elements than this use blockwise INT8, larger ones top-k.
+    small_threshold: int = 100_000
+
+
+@dataclass
+class PeerTierConfig:
+    """Tier-2: replication to the same local rank on the next node of the ring."""
+
+    # Cap on one paced chunk of a base replica.
+    max_chunk_mib: float = 256.0
+
+
+@dataclass
+class LocalTierConfig:
+    """Tier-1: node memory that outlives the process; files under <root>/<job_id>/<node>/."""
+
+    root: str = "/dev/shm/megatier"
+
+
+@dataclass
+class RemoteTierConfig:
+    """Tier-3: a directory (a shared file system) or s3://bucket/prefix; objects under <url>/<job_id>/."""
+
+    url: str = "checkpoints"
+    # S3-compatible endpoint (MinIO, moto, ...); None: AWS. Credentials come from the usual AWS environment.
+    endpoint_url: Optional[str] = None
+    # Committed bases kept on Tier-3 at or below the watermark.
+    keep_bases: int = 2
+    # Directory remotes: fsync each object before it becomes visible (durable through a power loss of the
+    # machine that wrote it). False for a file system that is durable on close (NFS, Lustre) or to match
+    # baselines that do not fsync either; S3 ignores it.
+    fsync: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    """Tiered checkpointing (docs/architecture.md); checked by megatier.config.checkpoint_validation."""
+
+    enabled: bool = False
+    tiers: list[str] = field(default_factory=lambda: ["local", "peer", "remote"])
+    # Steps between base checkpoints; must be a multiple of diff.batch.
+    base_interval: int = 50
+    diff: DiffStreamConfig = field(default_factory=DiffStreamConfig)
+    peer: PeerTierConfig = field(default_factory=PeerTierConfig)
+    local: LocalTierConfig = field(default_factory=LocalTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
+    # Names this run's checkpoints in every tier; a plain name ([A-Za-z0-9._-]).
+    job_id: str = "${logging.name}"
+    # Host memory that checkpoint payloads awaiting transfer may hold before the loop blocks.
+    memory_budget_gib: float = 8.0
+    # With traces of this job in some tier but no complete base for every rank, start from step 0
+    # instead of stopping with an error (a first launch, with no traces at all, always starts fresh).
+    allow_fresh_start: bool = False
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "megatier"
+    # None: logging.name.
+    name: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggingConfig:
+    name: str = "megatier"
+    run_dir: str = "runs/${logging.name}"
+    progress: bool = True
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

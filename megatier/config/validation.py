@@ -1,0 +1,110 @@
+"""Cross-field checks of the whole config, run before any side effect.
+
+``validate`` raises :class:`ConfigError` with a one-line reason naming the
+fields and a fix; it covers every group, the checkpoint group included
+(:mod:`.checkpoint_validation`), so a config that will be rejected never
+creates a process group, a dataset or a wandb run.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from megatier.config.checkpoint_validation import check_checkpoint_config
+from megatier.config.schema import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from megatier.config.schema import require as _require
+
+
+def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
+    for key in ("num_layers", "hidden_size", "num_heads", "max_position_embeddings", "make_vocab_size_divisible_by"):
+        value = getattr(m, key)
+        _require(value > 0, f"model.{key}={value} must be positive")
+    _require(
+        m.hidden_size % m.num_heads == 0,
+        f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}; "
+        f"choose a head count that divides it",
+    )
+    _require(m.ffn_hidden_size is None or m.ffn_hidden_size > 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be positive")
+    for key in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, key)
+        _require(0.0 <= value < 1.0, f"model.{key}={value} must be in [0, 1)")
+    _require(
+        m.num_heads % tp == 0,
+        f"parallel.tp={tp} does not divide model.num_heads={m.num_heads}; use a tp that divides the head count",
+    )
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    _require(ffn % tp == 0, f"parallel.tp={tp} does not divide the FFN size {ffn}; change model.ffn_hidden_size or parallel.tp")
+    _require(
+        m.num_layers >= pp,
+        f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each pipeline stage needs at least one layer",
+    )
+
+
+def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
+    for key in ("iters", "global_batch_size", "micro_batch_size", "eval_interval"):
+        value = getattr(t, key)
+        _require(value > 0, f"train.{key}={value} must be positive")
+    _require(t.eval_iters >= 0, f"train.eval_iters={t.eval_iters} must be >= 0")
+    _require(t.precision in ("fp32", "bf16", "fp16"), f"train.precision={t.precision!r} must be one of fp32, bf16, fp16")
+    _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be one of auto, cpu, cuda")
+    per_step = t.micro_batch_size * (dp or 1)
+    _require(
+        t.global_batch_size % per_step == 0,
+        f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"
+        f" x dp={dp or 1}; make it a multiple of {per_step}",
+    )
+
+
+def _validate_optim(o: OptimConfig) -> None:
+    _require(o.lr > 0, f"optim.lr={o.lr} must be positive")
+    _require(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
+    _require(o.warmup_iters >= 0, f"optim.warmup_iters={o.warmup_iters} must be >= 0")
+    _require(o.decay_iters is None or o.decay_iters > 0, f"optim.decay_iters={o.decay_iters} must be positive")
+    for key in ("beta1", "beta2"):
+        value = getattr(o, key)
+        _require(0.0 <= value < 1.0, f"optim.{key}={value} must be in [0, 1)")
+    _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
+    _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    _require(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
+    _require(o.initial_loss_scale >= o.min_loss_scale > 0, "optim.initial_loss_scale must be >= optim.min_loss_scale > 0")
+
+
+def _validate_data(d: DataConfig, m: ModelConfig) -> None:
+    _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
+    _require(
+        d.seq_len <= m.max_position_embeddings,
+        f"data.seq_len={d.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
+        f"lower data.seq_len or raise the position table",
+    )
+    _require(0.0 <= d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
+    _require(d.tokenizer in ("byte", "bpe"), f"data.tokenizer={d.tokenizer!r} must be byte or bpe")
+    if d.prefix is not None:
+        for suffix in (".bin", ".idx"):
+            path = os.path.expanduser(d.prefix) + suffix
+            _require(
+                os.path.isfile(path),
+                f"data.prefix={d.prefix!r}: {path} does not exist; build it with scripts/preprocess_data.py "
+                f"--output-prefix {d.prefix} or leave data.prefix unset for the default corpus",
+            )
+
+
+def validate(cfg: Config, world_size: Optional[int] = None) -> None:
+    """Cross-field checks; raises ConfigError with a one-line reason. ``world_size`` enables layout checks."""
+    p = cfg.parallel
+    _require(p.tp >= 1 and p.pp >= 1, f"parallel.tp={p.tp} and parallel.pp={p.pp} must be >= 1")
+    _require(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
+    dp = None
+    if world_size is not None:
+        _require(
+            world_size % (p.tp * p.pp) == 0,
+            f"world size {world_size} is not divisible by parallel.tp={p.tp} x parallel.pp={p.pp}; "
+            f"launch a multiple of {p.tp * p.pp} processes or change the layout",
+        )
+        dp = world_size // (p.tp * p.pp)
+    _validate_model(cfg.model, p.tp, p.pp)
+    _validate_train(cfg.train, dp)
+    _validate_optim(cfg.optim)
+    _validate_data(cfg.data, cfg.model)
+    w = cfg.logging.wandb
+    _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or disabled")
+    check_checkpoint_config(cfg.checkpoint)

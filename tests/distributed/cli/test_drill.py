@@ -1,0 +1,216 @@
+"""Failure drills on simulated clusters: each class recovers exactly, from the tier it should, and every crash
+point leaves a state the next launch recovers from without loss, hang or uncommitted data.
+
+A recovery test compares a run with an injected failure to the same run without one: with lossless diffs
+(fp32) the final ``state_digest`` of the drilled run must equal the fault-free run's, bit for bit.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatier.checkpoint.commit.reader import RemoteReader
+from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.cli.launch import LocalCluster
+from tests.conftest import REPO
+
+JOB = "drill"
+# 2 nodes x 2 processes, tp=2 x dp=2; base 0 finishes its paced Tier-2 transfer by step ~17 of 20.
+DRILL = ["model=tiny", "parallel.tp=2", "train.iters=30", "checkpoint.base_interval=20",
+         "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "data.seq_len=64",
+         "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.timeout_s=30"]
+# 2 nodes x 1 process for the crash points: every point is reached within 30 steps with bases every 10.
+POINTS = ["model=tiny", "train.iters=30", "checkpoint=tiered", "checkpoint.base_interval=10",
+          "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "logging.progress=false",
+          f"checkpoint.job_id={JOB}", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2",
+          "parallel.timeout_s=20"]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+
+
+def drill(tmp_path: Path, *args: str, overrides=DRILL) -> dict:
+    out = tmp_path / "drill.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "failure_drill.py"), "--work-dir", str(tmp_path / "work"),
+           "--json", str(out), *args, "--", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
+    assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    report["stdout"], report["returncode"] = proc.stdout, proc.returncode
+    return report
+
+
+def run_job(work: Path, overrides: list[str], *, nodes: int, procs: int, env: dict | None = None,
+            fail_grace_s: float = 5.0) -> tuple[int, float]:
+    """One launch of pretrain_gpt.py on a simulated cluster; returns (exit status, seconds)."""
+    args = [str(REPO / "pretrain_gpt.py"), *overrides, f"checkpoint.local.root={work}/shm",
+            f"checkpoint.remote.url={work}/remote", f"logging.run_dir={work}/run"]
+    os.environ.update(OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    cluster = LocalCluster(nodes, procs, args, node_env=env)
+    t0 = time.monotonic()
+    cluster.start()
+    return cluster.wait(fail_grace_s=fail_grace_s, timeout_s=300), time.monotonic() - t0
+
+
+def records(work: Path) -> list[dict]:
+    with open(work / "run" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def summary(work: Path) -> dict:
+    return [r for r in records(work) if r.get("event") == "summary"][-1]
+
+
+@pytest.fixture(scope="module")
+def drill_reference(tmp_path_factory) -> str:
+    """The fault-free digest of the DRILL job, checkpointing off: checkpointing must not change training."""
+    work = tmp_path_factory.mktemp("drill_ref")
+    status, _ = run_job(work, [*DRILL, "checkpoint.enabled=false"], nodes=2, procs=2)
+    assert status == 0
+    return summary(work)["state_digest"]
+
+
+@pytest.fixture(scope="module")
+def points_reference(tmp_path_factory) -> str:
+    work = tmp_path_factory.mktemp("points_ref")
+    status, _ = run_job(work, [*POINTS, "checkpoint.enabled=false"], nodes=2, procs=1)
+    assert status == 0
+    return summary(work)["state_digest"]
+
+
+# ---- the three classes, lossless, bit-identical ------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_software_failure_recovers_from_tier1_only(tmp_path, drill_reference):
+    report = drill(tmp_path, "--fail", "software", "--at-step", "19")
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["failure_class"] == "software" and all(t == ["tier1"] for t in rec["rank_tiers"])
+    assert rec["bytes_tier2"] == rec["bytes_tier3"] == 0 < rec["bytes_tier1"]
+    assert 19 - rec["end"] <= 5 and rec["steps_lost"] == 19 - rec["end"]
+    assert report["final_digest"] == drill_reference
+
+
+@pytest.mark.timeout(600)
+def test_node_failure_serves_the_lost_node_from_tier2(tmp_path, drill_reference):
+    # node0 hosts the Tier-3 coordinator (rank 0): losing it is the harder case.
+    report = drill(tmp_path, "--fail", "node", "--victim", "0", "--at-step", "19")
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    lost = {r for r, node in enumerate(rec["rank_nodes"]) if node == "node0"}
+    assert len(lost) == 2 and rec["failure_class"] == "node"
+    for r, tiers in enumerate(rec["rank_tiers"]):
+        assert tiers == (["tier2"] if r in lost else ["tier1"]), rec
+    assert rec["bytes_tier3"] == 0 and 19 - rec["end"] <= 5
+    assert report["final_digest"] == drill_reference
+
+
+@pytest.mark.timeout(600)
+def test_rack_failure_recovers_from_tier3(tmp_path, drill_reference):
+    report = drill(tmp_path, "--fail", "rack", "--at-step", "17")
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["failure_class"] == "rack" and all(t == ["tier3"] for t in rec["rank_tiers"])
+    assert rec["bytes_tier1"] == rec["bytes_tier2"] == 0 < rec["bytes_tier3"]
+    assert report["final_digest"] == drill_reference
+
+
+@pytest.mark.timeout(600)
+def test_flipped_byte_in_a_tier1_base_falls_through_and_stays_exact(tmp_path, drill_reference):
+    report = drill(tmp_path, "--fail", "software", "--corrupt", "--at-step", "19")
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert any("base v0" in f and "xxh64" in f for f in rec["fallbacks"]), rec["fallbacks"]
+    assert sum(t != ["tier1"] for t in rec["rank_tiers"]) == 1  # only the corrupted rank looked elsewhere
+    assert report["final_digest"] == drill_reference
+
+
+@pytest.mark.timeout(600)
+def test_adaptive_compression_with_a_failure_every_100_steps_ends_within_1pct(tmp_path):
+    """The demo model (``small``) for 300 steps, shorter sequences to fit the suite's budget.
+
+    "Final loss" is the validation loss at step 300 over fixed held-out batches: one training batch's loss swings
+    by more than 1% between neighbouring steps, so it cannot tell a lossy recovery from batch noise.
+    The failures fall mid-way through a base interval (bases every 50 steps), so each recovery replays
+    the lossy diff chain a failure at a random point replays on average (~25 steps), not the longest one.
+    """
+    overrides = ["model=small", "train.iters=300", "data.seq_len=64", "train.global_batch_size=8",
+                 "train.micro_batch_size=4", "train.eval_iters=8", "logging.wandb.mode=disabled"]
+    report = drill(tmp_path, "--nodes", "2", "--procs-per-node", "1", "--fail", "software", "--at-step", "125",
+                   "225", "--compare", overrides=overrides)
+    assert report["ok"], report["stdout"]
+    assert len(report["recoveries"]) == 2 and all(r["failure_class"] == "software" for r in report["recoveries"])
+    chains = [(r.get("version"), r.get("end")) for r in report["recoveries"]]
+    assert abs(report["final_val_loss"] - report["reference_val_loss"]) <= 0.01 * report["reference_val_loss"], \
+        (report["final_val_loss"], report["reference_val_loss"], chains)
+
+
+def test_drill_refuses_bad_arguments(tmp_path):
+    cmd = [sys.executable, str(REPO / "scripts" / "failure_drill.py"), "--fail", "node", "--nodes", "1",
+           "--at-step", "3", "--", "model=tiny"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "needs --nodes >= 2" in proc.stderr
+    cmd = [sys.executable, str(REPO / "scripts" / "failure_drill.py"), "--fail", "software", "--at-step", "50",
+           "--work-dir", str(tmp_path), "--", "model=tiny", "train.iters=20"]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "must be below train.iters=20" in proc.stderr
+
+
+# ---- every crash point ------------------------------------------------------------------------------
+
+# (point, armed step): each fires within the first launch's 30 steps.
+CRASHES = [("t1.mid_write", 12), ("t2.mid_chunk", 10), ("t3.before_marker", 10), ("t3.before_commit", 10),
+           ("t3.after_commit_before_watermark", 10), ("gc.mid_delete", 12)]
+
+
+def _committed_and_loadable(work: Path) -> set:
+    """Every committed unit on Tier-3, each loaded and checksum-verified for every rank (raises otherwise)."""
+    reader = RemoteReader(open_remote_store(str(work / "remote"), JOB), JOB)
+    committed = set()
+    for unit in reader.committed():
+        for rank in range(2):
+            reader.load(unit.pid, rank)
+        committed.add(unit.pid)
+    return committed
+
+
+def _crash_then_recover(work: Path, reference: str, env_first: dict, *, env_second: dict | None = None) -> dict:
+    status, seconds = run_job(work, POINTS, nodes=2, procs=1, env=env_first, fail_grace_s=120)
+    # The survivor must notice on its own (gloo errors or collective timeouts), not by the launcher's grace.
+    assert status != 0 and seconds < 100, (status, seconds)
+    committed = _committed_and_loadable(work)
+    if env_second is not None:
+        status, seconds = run_job(work, POINTS, nodes=2, procs=1, env=env_second, fail_grace_s=120)
+        assert status != 0 and seconds < 100, (status, seconds)
+        assert committed <= _committed_and_loadable(work)
+    status, _ = run_job(work, POINTS, nodes=2, procs=1)
+    assert status == 0
+    recovery = [r for r in records(work) if r.get("event") == "recovery"]
+    assert recovery, "the relaunch did not recover"
+    # Exact state: nothing uncommitted or half-written was used, nothing committed and needed was lost.
+    assert summary(work)["state_digest"] == reference
+    newest = max((p.version for p in committed if p.kind == "base"), default=None)
+    assert newest is None or recovery[0]["version"] >= newest  # a committed base is never given up
+    return recovery[0]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("point,step", CRASHES, ids=[p for p, _ in CRASHES])
+def test_crash_point_recovers_exactly_without_hang(tmp_path, points_reference, point, step):
+    env = {i: {"MEGATIER_CRASH_AT": f"{point}:{step}"} for i in range(2)}
+    _crash_then_recover(tmp_path, points_reference, env)
+
+
+@pytest.mark.timeout(400)
+def test_crash_during_replay_recovers_on_the_next_launch(tmp_path, points_reference):
+    first = {i: {"MEGATIER_CRASH_AT": "train.step_end:17"} for i in range(2)}
+    during_replay = {1: {"MEGATIER_CRASH_AT": "replay.mid_batch:0"}}
+    record = _crash_then_recover(tmp_path, points_reference, first, env_second=during_replay)
+    assert record["end"] >= 12
