@@ -1,14 +1,14 @@
 # Two commands do everything from a bare clone (Python 3.11 + pip):
 #   make demo   set up, then train `small` on the default corpus on 2 simulated
 #               nodes, kill one node mid-run and recover (a failure drill)
-#   make test   set up, then run the test suite
+#   make test   set up, lint (ruff), then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.megatier-installed
 
-.PHONY: install demo test clean
+.PHONY: install demo lint test clean
 
 install: $(STAMP)
 
@@ -26,10 +26,13 @@ $(STAMP): setup.py $(wildcard megatier/csrc/*) $(wildcard megatier/csrc/cuda/*)
 DEMO_DIR ?= runs/demo_drill/$(shell date +%Y%m%d-%H%M%S)
 
 demo: install
-	$(PY) scripts/failure_drill.py --nodes 2 --procs-per-node 1 --fail node --at-step 245 \
+	$(VENV)/bin/megatier-drill --nodes 2 --procs-per-node 1 --fail node --at-step 245 \
 		--work-dir $(DEMO_DIR) -- experiment=demo
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+
+test: lint
 	$(PY) -m pytest -n 2 tests
 
 clean:

@@ -39,6 +39,7 @@ EXTRAS = {
         "pytest-xdist>=3.3",
         "hypothesis>=6",
         "moto[server]>=5",
+        "ruff>=0.6",
     ],
     "gpu": ["transformer-engine"],
 }

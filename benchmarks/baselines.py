@@ -30,7 +30,8 @@ Each reports the tensor bytes of one checkpoint (``bytes_per_checkpoint``) and,
 for the ones that write files, the bytes on disk of one checkpoint
 (``disk_bytes_per_checkpoint``: this rank's file; for DCP, which writes one
 directory for all ranks and stores dp-replicated model tensors once, the
-directory's size over the world size, known on rank 0 after ``close``). Per step they return ``ckpt_bytes`` (bytes checkpointed at this
+directory's size over the world size, known on rank 0 after ``close``). Per
+step they return ``ckpt_bytes`` (bytes checkpointed at this
 step, 0 between checkpoints) and ``ckpt_wait_ms`` (time spent waiting for the
 previous asynchronous checkpoint inside the call).
 """

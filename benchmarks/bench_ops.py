@@ -171,7 +171,8 @@ def main(argv=None) -> int:
     if r16:
         good = r16["topk_speedup"] >= 20
         ok &= good
-        print(f"[{'PASS' if good else 'FAIL'}] sparsify_topk vs torch.topk at 16M: {r16['topk_speedup']:.1f}x (target >= 20)")
+        print(f"[{'PASS' if good else 'FAIL'}] sparsify_topk vs torch.topk at 16M: {r16['topk_speedup']:.1f}x "
+              "(target >= 20)")
     s5 = results["adamw"]["by_N"]["5"]["speedup"]
     ok &= s5 >= 2.5
     print(f"[{'PASS' if s5 >= 2.5 else 'FAIL'}] adamw_replay N=5 vs 5 x adamw_step: {s5:.2f}x (target >= 2.5)")

@@ -347,7 +347,8 @@ def _every(spec: str) -> str:
 
 def print_report(summary: dict, args, full_state_bytes: int | None) -> None:
     print()
-    print(f"model={args.model} iters={args.iters} warmup={args.warmup} (mean over steps {args.warmup + 1}..{args.iters})"
+    print(f"model={args.model} iters={args.iters} warmup={args.warmup} (mean over steps "
+          f"{args.warmup + 1}..{args.iters})"
           f" K={','.join(map(str, args.ks))} base_interval={args.base_interval} repeats={args.repeats} "
           f"world={args.nproc}" + (f" overrides={args.overrides}" if args.overrides else ""))
     print("step time = iter_time_s + ckpt_stall_ms, mean over the window; step ms = median over repeats (min..max);")

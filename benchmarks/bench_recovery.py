@@ -290,9 +290,8 @@ def time_load_base(shard, base, repeats: int) -> float:
 
 def measure_chain(trainer, shard, base, diffs: list, lossless: list, chain: int, n: int, repeats: int) -> dict:
     """Every figure of one chain length except recompute (timed once for all lengths)."""
-    from megatier.checkpoint.format.layout import ShardLayout
 
-    layout = ShardLayout.from_parallel_state(trainer.ps)
+    layout = trainer.ps.plain()
     payloads = encode_chain(diffs[:chain], n, layout)
     decodes = [time_decode(payloads, layout) for _ in range(repeats)]
     steps = decodes[0][1]
@@ -402,7 +401,8 @@ def run_drill(cmd: list[str], json_path: str, log_path: str, timeout_s: float) -
         try:
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
-            raise SystemExit(f"bench_recovery: the drill ran past {timeout_s:.0f} s: {' '.join(cmd)}; see {log_path}")
+            raise SystemExit(f"bench_recovery: the drill ran past {timeout_s:.0f} s: {' '.join(cmd)}; see "
+                             f"{log_path}") from None
     if rc != 0:
         raise SystemExit(f"bench_recovery: the failure drill exited {rc} (recovery failed or bad arguments): "
                          f"{' '.join(cmd)}\n--- last lines of {log_path} ---\n{tail(log_path)}")
@@ -410,7 +410,7 @@ def run_drill(cmd: list[str], json_path: str, log_path: str, timeout_s: float) -
         with open(json_path) as f:
             report = json.load(f)
     except (OSError, ValueError) as e:
-        raise SystemExit(f"bench_recovery: the drill exited 0 but its JSON {json_path} is unreadable ({e})")
+        raise SystemExit(f"bench_recovery: the drill exited 0 but its JSON {json_path} is unreadable ({e})") from e
     if not report.get("ok") or not report.get("recoveries") or report["recoveries"][0] is None:
         raise SystemExit(f"bench_recovery: the drill reports no successful recovery ({report.get('problems')}); "
                          f"see {log_path}")
@@ -434,7 +434,7 @@ def mean_step_time(run_dir: Optional[str]) -> Optional[float]:
 # ---- classes part: the baseline -----------------------------------------------------------------
 
 def baseline_lost_steps(at_step: int, k: int) -> int:
-    """Steps a full-checkpoint-every-K run recomputes after failing at ``at_step``: back to the previous multiple of K."""
+    """Steps a full-checkpoint-every-K run recomputes after failing at ``at_step`` (back to a multiple of K)."""
     return at_step % k
 
 
@@ -502,7 +502,7 @@ def tiers_text(source_tiers: dict) -> str:
 
 
 def format_classes_table(rows: list[dict], k: int, seed: Sequence[Table3Row] = SEED_TABLE3) -> str:
-    """Per class: MegaTier's phases and total, the baseline's load + rerun, the speedup, and the seed's TierCheck row."""
+    """Per class: MegaTier's phases and total, the baseline's load + rerun, the speedup, the seed's TierCheck row."""
     head = (f"{'class':<9} {'bases from':<16} {'V->E':>8} {'consens':>8} {'rollback':>9} {'replay':>8} "
             f"{'MegaTier':>9} {'+rerun':>8} {'lost':>5} {'base load':>10} {'lost':>5} {'baseline':>9} "
             f"{'speedup':>8} | {'seed TierCheck roll/rerun/total':>31}")
@@ -514,7 +514,8 @@ def format_classes_table(rows: list[dict], k: int, seed: Sequence[Table3Row] = S
             f"{r['class']:<9} {tiers_text(r['source_tiers']):<16} {r['version']:>3}->{r['end']:<4} "
             f"{r['t_consensus_s']:>8.3f} {r['t_rollback_s']:>9.3f} {r['t_replay_s']:>8.3f} {r['megatier_s']:>9.3f} "
             f"{r['megatier_with_rerun_s']:>8.3f} {r['megatier_steps_lost']:>5} {r['baseline_load_s']:>10.3f} "
-            f"{r['baseline_lost_steps']:>5} {r['baseline_s']:>9.3f} {r['baseline_s'] / r['megatier_with_rerun_s']:>7.1f}x | "
+            f"{r['baseline_lost_steps']:>5} {r['baseline_s']:>9.3f} "
+            f"{r['baseline_s'] / r['megatier_with_rerun_s']:>7.1f}x | "
             f"{ref_text:>31}")
     others = ", ".join(f"{s.system} {s.rollback_s:.1f} + {s.rerun_s:.1f} = {s.total_s:.1f} s"
                        for s in seed if s.system != "TierCheck")

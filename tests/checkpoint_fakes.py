@@ -5,17 +5,17 @@ import threading
 
 import torch
 
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, TransientStoreError
+from megatier.parallel.layout import Layout
 
 JOB = "job1"
 WORLD = 4
 FAST = RetryPolicy(attempts=1, base_delay_s=0.001, max_delay_s=0.01)
 
 
-def layout(rank: int) -> ShardLayout:
-    return ShardLayout(tp=2, pp=1, dp=2, tp_rank=rank % 2, pp_rank=0, dp_rank=rank // 2)
+def layout(rank: int) -> Layout:
+    return Layout(tp=2, pp=1, dp=2, tp_rank=rank % 2, pp_rank=0, dp_rank=rank // 2)
 
 
 def base(version: int, rank: int, fill: float = 0.0):

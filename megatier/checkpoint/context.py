@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import secrets
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
 from megatier.checkpoint.comm import CheckpointComm, GroupComm
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.tiers.base import Tier
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
@@ -35,6 +34,7 @@ from megatier.checkpoint.tiers.replicator import PeerReplicator
 from megatier.checkpoint.tiers.store import ObjectStore
 from megatier.config import CheckpointConfig
 from megatier.faults import FaultHook, FaultInjector, no_faults
+from megatier.parallel.layout import Layout
 
 
 @dataclass
@@ -42,24 +42,18 @@ class CheckpointContext:
     """The checkpoint system's view of this rank: its config, identity, node, tiers and collectives."""
 
     cfg: CheckpointConfig  # the run's effective config (what it wrote to config.yaml)
-    layout: ShardLayout
+    layout: Layout
     node: str
     tiers: list[Tier]  # cheapest first: the order of the recovery cascade
     comm: CheckpointComm
     fault: FaultHook = no_faults
     timeout_s: float = 600.0
+    job_id: str = field(init=False)
+    rank: int = field(init=False)
+    world_size: int = field(init=False)
 
-    @property
-    def job_id(self) -> str:
-        return self.cfg.job_id
-
-    @property
-    def rank(self) -> int:
-        return self.layout.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.layout.world_size
+    def __post_init__(self) -> None:
+        self.job_id, self.rank, self.world_size = self.cfg.job_id, self.layout.rank, self.layout.world_size
 
 
 def _agree_on_start(store: Optional[ObjectStore], url: str, comm: CheckpointComm) -> str:
@@ -111,4 +105,4 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     if store is not None:
         tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
                                 incarnation=incarnation, keep_bases=cfg.remote.keep_bases, fault=fault))
-    return CheckpointContext(cfg, ShardLayout.from_parallel_state(ps), ps.node_name, tiers, comm, fault, timeout_s)
+    return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s)

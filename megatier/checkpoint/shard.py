@@ -21,7 +21,7 @@ import torch
 from megatier import ops
 from megatier.checkpoint.format.payload import BaseState, DiffStep
 from megatier.config import DiffStreamConfig
-from megatier.ops.compression import CompressedRecord
+from megatier.ops.records import CompressedRecord
 
 
 def tiling_segments(segments, size: int) -> list[tuple[int, int]]:

@@ -1,0 +1,1 @@
+"""User-facing commands (console scripts in setup.py; scripts/ keeps thin wrappers)."""

@@ -1,6 +1,7 @@
 """Simulate a multi-node cluster on one host: one torchrun agent per simulated node.
 
-    megatier-launch --nodes 2 --procs-per-node 4 -- pretrain_gpt.py model=tiny parallel.tp=2 parallel.pp=2 train.iters=20
+    megatier-launch --nodes 2 --procs-per-node 4 -- \\
+        pretrain_gpt.py model=tiny parallel.tp=2 parallel.pp=2 train.iters=20
     python scripts/launch_local_cluster.py ...   (the same command)
 
 Agent i runs ``python -m torch.distributed.run --nnodes N --nproc-per-node M``

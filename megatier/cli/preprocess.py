@@ -16,7 +16,6 @@ Then train on it with `pretrain_gpt.py data.prefix=data/mycorpus`.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 

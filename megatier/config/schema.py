@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the fields and a fix."""
 
@@ -47,6 +46,10 @@ class ParallelConfig:
     pp: int = 1
     # Seconds any collective may take before the run fails instead of hanging.
     timeout_s: float = 600.0
+
+    def dp(self, world_size: int) -> int:
+        """The data-parallel degree on ``world_size`` processes (validate() checks it divides)."""
+        return world_size // (self.tp * self.pp)
 
 
 @dataclass

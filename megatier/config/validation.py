@@ -24,7 +24,8 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
         f"model.num_heads={m.num_heads} does not divide model.hidden_size={m.hidden_size}; "
         f"choose a head count that divides it",
     )
-    _require(m.ffn_hidden_size is None or m.ffn_hidden_size > 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be positive")
+    _require(m.ffn_hidden_size is None or m.ffn_hidden_size > 0, f"model.ffn_hidden_size={m.ffn_hidden_size} must be "
+                                                                 "positive")
     for key in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, key)
         _require(0.0 <= value < 1.0, f"model.{key}={value} must be in [0, 1)")
@@ -33,7 +34,8 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
         f"parallel.tp={tp} does not divide model.num_heads={m.num_heads}; use a tp that divides the head count",
     )
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    _require(ffn % tp == 0, f"parallel.tp={tp} does not divide the FFN size {ffn}; change model.ffn_hidden_size or parallel.tp")
+    _require(ffn % tp == 0, f"parallel.tp={tp} does not divide the FFN size {ffn}; change model.ffn_hidden_size or "
+                            "parallel.tp")
     _require(
         m.num_layers >= pp,
         f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each pipeline stage needs at least one layer",
@@ -45,12 +47,14 @@ def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
         value = getattr(t, key)
         _require(value > 0, f"train.{key}={value} must be positive")
     _require(t.eval_iters >= 0, f"train.eval_iters={t.eval_iters} must be >= 0")
-    _require(t.precision in ("fp32", "bf16", "fp16"), f"train.precision={t.precision!r} must be one of fp32, bf16, fp16")
+    _require(t.precision in ("fp32", "bf16", "fp16"),
+             f"train.precision={t.precision!r} must be one of fp32, bf16, fp16")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be one of auto, cpu, cuda")
     per_step = t.micro_batch_size * (dp or 1)
     _require(
         t.global_batch_size % per_step == 0,
-        f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}"
+        f"train.global_batch_size={t.global_batch_size} is not a multiple of "
+        f"train.micro_batch_size={t.micro_batch_size}"
         f" x dp={dp or 1}; make it a multiple of {per_step}",
     )
 
@@ -66,7 +70,8 @@ def _validate_optim(o: OptimConfig) -> None:
     _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
     _require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
     _require(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
-    _require(o.initial_loss_scale >= o.min_loss_scale > 0, "optim.initial_loss_scale must be >= optim.min_loss_scale > 0")
+    _require(o.initial_loss_scale >= o.min_loss_scale > 0, "optim.initial_loss_scale must be >= optim.min_loss_scale "
+                                                           "> 0")
 
 
 def _validate_data(d: DataConfig, m: ModelConfig) -> None:
@@ -100,11 +105,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             f"world size {world_size} is not divisible by parallel.tp={p.tp} x parallel.pp={p.pp}; "
             f"launch a multiple of {p.tp * p.pp} processes or change the layout",
         )
-        dp = world_size // (p.tp * p.pp)
+        dp = p.dp(world_size)
     _validate_model(cfg.model, p.tp, p.pp)
     _validate_train(cfg.train, dp)
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)
     w = cfg.logging.wandb
-    _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or disabled")
+    _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
+                                                          "disabled")
     check_checkpoint_config(cfg.checkpoint)

@@ -12,7 +12,7 @@ import sysconfig
 from typing import Iterator, Optional
 
 from megatier.data.indexed import IndexedDatasetWriter
-from megatier.data.tokenizer import ByteTokenizer, BPETokenizer, load_tokenizer, train_bpe
+from megatier.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
 
@@ -48,7 +48,8 @@ def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
                     try:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected one object per line") from e
+                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected one object per "
+                                         f"line") from e
                     if json_key not in record:
                         raise ValueError(f"{path}:{lineno}: no field {json_key!r}; choose the field with --json-key")
                     yield str(record[json_key])

@@ -50,9 +50,10 @@ class ResumableSampler:
     def __init__(self, num_train: int, seed: int):
         self.num_train = num_train
         self.seed = seed
+        # The current and the previous epoch's order (a window may straddle an epoch boundary).
+        self._permutation = lru_cache(maxsize=2)(self._make_permutation)
 
-    @lru_cache(maxsize=2)
-    def _permutation(self, epoch: int) -> np.ndarray:
+    def _make_permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.num_train)
 
     def index(self, consumed: int) -> int:

@@ -86,7 +86,8 @@ class IndexedDataset:
             raise ValueError(f"{bin_path} has {actual} bytes but its index promises {expected}; the pair is "
                              f"truncated or mismatched, rebuild it with scripts/preprocess_data.py")
         self.num_tokens = num_tokens
-        self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(num_tokens,)) if num_tokens else np.zeros(0, self.dtype)
+        self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r", shape=(num_tokens,)) if num_tokens
+                       else np.zeros(0, self.dtype))
 
     @property
     def num_documents(self) -> int:

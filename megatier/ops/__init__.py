@@ -1,5 +1,12 @@
 """Python face of MegaTier's native ops (compiled in megatier/csrc).
 
+    codecs       INT8 and top-k codecs with their inverses
+    records      CompressedRecord (one compressed gradient shard) and its serialization
+    compression  compress_segments / decompress_segments: a shard per parameter segment
+    adamw        adamw_step and the fused multi-step adamw_replay
+    reference    the pure-torch reference of every kernel
+    _native      loading the compiled extension, or warning and falling back
+
 Uses the compiled extension ``megatier._C`` when it is importable and falls
 back to the pure-torch reference in :mod:`megatier.ops.reference` otherwise
 (with a one-time RuntimeWarning). ``MEGATIER_REQUIRE_NATIVE=1`` turns a missing
@@ -11,25 +18,21 @@ input never crashes the process.
 """
 from megatier.ops._native import limit_thread_parallelism, native_available, native_info
 from megatier.ops.adamw import adamw_replay, adamw_step
-from megatier.ops.compression import (
+from megatier.ops.codecs import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_RATIO,
     DEFAULT_SAMPLE_SIZE,
     DEFAULT_SMALL_THRESHOLD,
     MODES,
-    RECORD_FORMAT,
     TOPK_CHUNK_ELEMS,
-    CompressedRecord,
     TopK,
-    compress_segments,
-    decompress_segments,
     densify,
     dequantize_int8,
-    pack_records,
     quantize_int8,
     sparsify_topk,
-    unpack_records,
 )
+from megatier.ops.compression import compress_segments, decompress_segments
+from megatier.ops.records import RECORD_FORMAT, CompressedRecord, pack_records, unpack_records
 from megatier.ops.reference import adamw_scalars
 
 __all__ = [

@@ -47,7 +47,8 @@ def native_available() -> bool:
 
 
 def native_info() -> dict:
-    """How the ops are served: ``{"native": bool, "cuda": bool, "openmp": bool, "max_threads": int, "error": str|None}``."""
+    """How the ops are served: ``{"native": bool, "cuda": bool, "openmp": bool, "max_threads": int, "error": "
+                                                                                                          "str|None}``."""
     if _C is None:
         return {"native": False, "cuda": False, "openmp": False, "max_threads": 1, "error": LOAD_ERROR}
     info = dict(_C.build_info())

@@ -20,7 +20,9 @@ from typing import Any, Optional, Sequence
 import torch
 
 from megatier.ops import _native, reference
-from megatier.ops.compression import CompressedRecord, check_flat, decompress_segments, iter_pieces
+from megatier.ops.codecs import check_flat
+from megatier.ops.compression import decompress_segments
+from megatier.ops.records import CompressedRecord, iter_pieces
 from megatier.ops.reference import adamw_scalars
 
 
@@ -49,7 +51,8 @@ def _check_hparams(op: str, beta1: float, beta2: float, eps: float, weight_decay
 
 def _check_decay(op: str, decay_segments: Any, n: int) -> torch.Tensor:
     if not isinstance(decay_segments, torch.Tensor):
-        raise TypeError(f"{op}: decay_segments must be an int64 tensor of shape (k, 2), got {type(decay_segments).__name__}")
+        raise TypeError(f"{op}: decay_segments must be an int64 tensor of shape (k, 2), got "
+                        f"{type(decay_segments).__name__}")
     if decay_segments.dtype != torch.int64 or not (
         decay_segments.numel() == 0 or (decay_segments.dim() == 2 and decay_segments.shape[1] == 2)
     ):
@@ -73,19 +76,9 @@ def _check_decay(op: str, decay_segments: Any, n: int) -> torch.Tensor:
     return decay_segments
 
 
-def adamw_step(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decay_segments: torch.Tensor,
-) -> None:
+def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, step: int,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decay_segments: torch.Tensor) -> None:
     """One in-place AdamW step (decoupled weight decay) over a flat contiguous fp32 shard.
 
     ``decay_segments``: int64 (k, 2) shard-local half-open ranges receiving weight decay.
@@ -107,6 +100,22 @@ def adamw_step(
     else:
         reference.adamw_step(param, exp_avg, exp_avg_sq, grad, int(step), float(lr), beta1, beta2, eps,
                              weight_decay, decay_segments)
+
+
+def _replay_step(op: str, i: int, g: Any, step: int, lr: float, skipped: bool, param: torch.Tensor, beta1: float,
+                 beta2: float, weight_decay: float, native: bool) -> tuple[float, float, float, Any]:
+    """(step size, bias correction 2 sqrt, decay keep factor, gradient spec) of replayed step ``i``."""
+    if skipped:
+        return 0.0, 1.0, 1.0, []
+    if g is None:
+        raise ValueError(f"{op}: grads[{i}] is None but step {i} is not marked skipped")
+    pieces = iter_pieces(g, param.numel(), op, f"grads[{i}]")
+    for piece in pieces:
+        for t in piece[4:]:
+            if t.numel() and t.device != param.device:
+                raise ValueError(f"{op}: grads[{i}] is on {t.device} but param is on {param.device}")
+    ss, bc2 = adamw_scalars(int(step), float(lr), beta1, beta2)
+    return ss, bc2, 1.0 - float(lr) * weight_decay, pieces if native else g
 
 
 def adamw_replay(
@@ -143,28 +152,15 @@ def adamw_replay(
             + "; pass one of each per replayed step"
         )
     skip = [bool(s) for s in skipped] if skipped is not None else [False] * N
-    step_sizes, bc2s, keeps, specs = [], [], [], []
     native = _native.use_native(param)
+    step_sizes, bc2s, keeps, specs = [], [], [], []
     for i in range(N):
-        if skip[i]:
-            step_sizes.append(0.0)
-            bc2s.append(1.0)
-            keeps.append(1.0)
-            specs.append([])
-            continue
-        g = grads[i]
-        if g is None:
-            raise ValueError(f"{op}: grads[{i}] is None but step {i} is not marked skipped")
-        pieces = iter_pieces(g, n, op, f"grads[{i}]")
-        for piece in pieces:
-            for t in piece[4:]:
-                if t.numel() and t.device != param.device:
-                    raise ValueError(f"{op}: grads[{i}] is on {t.device} but param is on {param.device}")
-        ss, bc2 = adamw_scalars(int(steps[i]), float(lrs[i]), beta1, beta2)
+        ss, bc2, keep, spec = _replay_step(op, i, grads[i], steps[i], lrs[i], skip[i], param, beta1, beta2,
+                                           weight_decay, native)
         step_sizes.append(ss)
         bc2s.append(bc2)
-        keeps.append(1.0 - float(lrs[i]) * weight_decay)
-        specs.append(pieces if native else g)
+        keeps.append(keep)
+        specs.append(spec)
     if native:
         _native.lib().adamw_replay(param, exp_avg, exp_avg_sq, specs, step_sizes, bc2s, keeps, skip, float(beta1),
                                    float(beta2), float(eps), weight_decay != 0.0, decay_segments)

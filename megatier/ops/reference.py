@@ -33,19 +33,9 @@ def _check_flat(param, exp_avg, exp_avg_sq, grad) -> None:
         raise ValueError("adamw: param, exp_avg, exp_avg_sq and grad must have the same number of elements")
 
 
-def adamw_step(
-    param: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    decay_segments: torch.Tensor,
-) -> None:
+def adamw_step(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, step: int,
+               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+               decay_segments: torch.Tensor) -> None:
     """One in-place AdamW step (decoupled weight decay) over a flat fp32 shard.
 
     ``decay_segments`` is an int64 tensor of shape (k, 2) holding shard-local

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from megatier import ops
 from megatier.config import OptimConfig
 from megatier.optim.flat import FlatLayout, ranges_tensor
+from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
-from megatier.parallel.grad_buffer import GradBuffer
 
 
 @dataclass(frozen=True)
@@ -45,15 +45,9 @@ class DistributedAdamW:
     def __init__(self, cfg: OptimConfig, layout: FlatLayout, param_flat: torch.Tensor, grads: GradBuffer, *,
                  dp_rank: int, dp_group: dist.ProcessGroup, norm_group: dist.ProcessGroup,
                  schedule: WarmupCosine, scaler: Optional[DynamicLossScaler] = None):
-        self.cfg = cfg
-        self.layout = layout
-        self.param_flat = param_flat
-        self.grads = grads
-        self.dp_rank = dp_rank
-        self.dp_group = dp_group
-        self.norm_group = norm_group
-        self.schedule = schedule
-        self.scaler = scaler
+        self.cfg, self.layout, self.param_flat, self.grads = cfg, layout, param_flat, grads
+        self.dp_rank, self.dp_group, self.norm_group = dp_rank, dp_group, norm_group
+        self.schedule, self.scaler = schedule, scaler
         self.shard_segments = layout.shard_segments(dp_rank)
         lo, hi = layout.shard_range(dp_rank)
         self._param_shard = param_flat[lo:hi]

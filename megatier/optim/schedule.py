@@ -29,4 +29,5 @@ class WarmupCosine:
         return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
 
     def state_dict(self) -> dict:
-        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_iters": self.warmup_iters, "decay_iters": self.decay_iters}
+        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_iters": self.warmup_iters,
+                "decay_iters": self.decay_iters}

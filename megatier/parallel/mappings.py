@@ -42,60 +42,43 @@ def _gather_last_dim(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
+def _identity(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return x
 
 
-class _ReduceFromRegion(torch.autograd.Function):
+class _Region(torch.autograd.Function):
+    """Applies ``forward_op`` to the input and ``backward_op`` to its gradient, both over ``group``."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return ctx.backward_op(grad, ctx.group), None, None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_last_dim(grad, ctx.group), None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather_last_dim(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_last_dim(grad, ctx.group), None
+# The table in the module docstring, row by row: (forward, backward).
+_OPS = {
+    "copy_to": (_identity, _all_reduce),
+    "reduce_from": (_all_reduce, _identity),
+    "scatter_to": (_split_last_dim, _gather_last_dim),
+    "gather_from": (_gather_last_dim, _split_last_dim),
+}
 
 
 def copy_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _CopyToRegion.apply(x, group)
+    return _Region.apply(x, group, *_OPS["copy_to"])
 
 
 def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ReduceFromRegion.apply(x, group)
+    return _Region.apply(x, group, *_OPS["reduce_from"])
 
 
 def scatter_to_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _ScatterToRegion.apply(x, group)
+    return _Region.apply(x, group, *_OPS["scatter_to"])
 
 
 def gather_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherFromRegion.apply(x, group)
+    return _Region.apply(x, group, *_OPS["gather_from"])

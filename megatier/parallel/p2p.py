@@ -28,19 +28,9 @@ class PipelineComm:
     """
 
     def __init__(self, *, group: dist.ProcessGroup, dtype: torch.dtype, device: torch.device):
-        self.group = group
-        self.stage = dist.get_rank(group)
-        self.num_stages = dist.get_world_size(group)
-        self.dtype = dtype
-        self.device = device
-
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        self.group, self.dtype, self.device = group, dtype, device
+        self.stage, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device)

@@ -1,11 +1,6 @@
-"""ParallelState: the 3D layout of this job, built once and passed explicitly.
+"""ParallelState: the 3D layout of this job with its process groups, built once and passed explicitly.
 
-Rank order is tp fastest, then dp, then pp::
-
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-so a tensor-parallel group is a run of consecutive ranks and stays inside a
-node whenever tp divides the processes per node.
+Rank order (the one formula) is in :mod:`megatier.parallel.layout`.
 
 Nodes are identified by name (MEGATIER_NODE_NAME for simulated nodes, else
 node<GROUP_RANK> from torchrun, else the hostname) and indexed in natural name
@@ -24,15 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-
-def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, *, tp: int, dp: int) -> int:
-    """The global rank at coordinates (tp_rank, dp_rank, pp_rank): tp fastest, then dp, then pp."""
-    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-
-def coordinates_of(rank: int, *, tp: int, dp: int) -> tuple[int, int, int]:
-    """(tp_rank, dp_rank, pp_rank) of ``rank``: the inverse of :func:`rank_of`."""
-    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+from megatier.parallel.layout import Layout, coordinates_of, rank_of
 
 
 def init_process_group(backend: str, timeout_s: float) -> None:
@@ -61,18 +48,11 @@ def _node_identity() -> tuple[str, int]:
     return name, local_rank
 
 
-@dataclass
-class ParallelState:
-    """Degrees, this rank's coordinates, its node, the ring peers and the process groups."""
+@dataclass(frozen=True)
+class ParallelState(Layout):
+    """Degrees, this rank's coordinates (``rank``, ``world_size``: see Layout), its node, the ring peers
+    and the process groups."""
 
-    rank: int
-    world_size: int
-    tp: int
-    pp: int
-    dp: int
-    tp_rank: int
-    pp_rank: int
-    dp_rank: int
     node_name: str
     node_index: int
     num_nodes: int
@@ -178,7 +158,7 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
     nodes, holder, owner = _ring_peers(rank, identities)
     node_name, local_rank = identities[rank]
     return ParallelState(
-        rank=rank, world_size=world_size, tp=tp, pp=pp, dp=dp,
+        tp=tp, pp=pp, dp=dp,
         tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank,
         node_name=node_name, node_index=nodes.index(node_name), num_nodes=len(nodes), local_rank=local_rank,
         replica_holder_rank=holder, replica_owner_rank=owner,

@@ -24,22 +24,22 @@ from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
 from megatier.config import Config, effective_checkpoint_config, validate
-from megatier.faults import CrashPoint, FaultInjector
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
+from megatier.faults import CrashPoint, FaultInjector
 from megatier.model.gpt import GPTStage, StageSpec, init_weights, padded_vocab_size, stage_layers
 from megatier.observe.digest import combined_digest, shard_digest
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters
+from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
-from megatier.parallel.grad_buffer import GradBuffer
 from megatier.parallel.p2p import PipelineComm
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
-from megatier.seeding import derive_seed
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
+from megatier.seeding import derive_seed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,7 +61,8 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         init_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.parallel.timeout_s)
-        self.ps: ParallelState = build_parallel_state(cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.timeout_s, self.device)
+        p = cfg.parallel
+        self.ps: ParallelState = build_parallel_state(p.tp, p.pp, p.timeout_s, self.device)
         # What this topology can take (a warning for each change) becomes the run's config, the one
         # config.yaml records and checkpointing uses.
         cfg.checkpoint = effective_checkpoint_config(cfg.checkpoint, self.ps.num_nodes)
@@ -170,14 +171,16 @@ class Trainer:
 
     def _global_loss(self, local: torch.Tensor) -> float:
         """Mean loss over the global batch, known on every rank (computed on the last stage)."""
-        contrib = local.double() / self.ps.dp if (self.ps.is_last_stage and self.ps.tp_rank == 0) else torch.zeros((), dtype=torch.float64)
+        counts = self.ps.is_last_stage and self.ps.tp_rank == 0
+        contrib = local.double() / self.ps.dp if counts else torch.zeros((), dtype=torch.float64)
         contrib = contrib.to(self.device)
         dist.all_reduce(contrib, group=self.ps.world_group)
         return float(contrib)
 
     def _sync_tied_embedding(self) -> None:
         if self.ps.embedding_group is not None:
-            names = [n for n, p in self.model.named_parameters() if any(p is q for q in self.model.shared_embedding_params())]
+            shared = self.model.shared_embedding_params()
+            names = [n for n, p in self.model.named_parameters() if any(p is q for q in shared)]
             self.grads.all_reduce_segments(names, self.ps.embedding_group)
 
     def train_step(self, step: int) -> dict:

@@ -6,8 +6,17 @@ import os
 import pytest
 import torch
 
-from benchmarks.baselines import (TRACKER, DcpAsyncSave, InMemoryEveryStep, SnapshotThenPersist, SyncTorchSave,
-                                      full_state, iter_dir, rank_file, tensor_bytes)
+from benchmarks.baselines import (
+    TRACKER,
+    DcpAsyncSave,
+    InMemoryEveryStep,
+    SnapshotThenPersist,
+    SyncTorchSave,
+    full_state,
+    iter_dir,
+    rank_file,
+    tensor_bytes,
+)
 from megatier.training.trainer import Trainer
 
 
@@ -26,7 +35,8 @@ class Recorder:
         out = self.inner.after_step(step)
         self.records.append(out)
         if out["ckpt_bytes"]:
-            self.states[step] = {k: v.clone() for k, v in full_state(self.trainer.optimizer, self.trainer.model).items()}
+            state = full_state(self.trainer.optimizer, self.trainer.model)
+            self.states[step] = {k: v.clone() for k, v in state.items()}
             self.states[step]["adam_steps"] = self.trainer.optimizer.adam_steps
         return out
 

@@ -1,13 +1,9 @@
-"""benchmarks/bench_overhead.py: run specs, the alternating schedule, the paired and fastest-run estimates, the verdict."""
+"""benchmarks/bench_overhead.py: run specs, the alternating schedule, paired and fastest-run estimates, the verdict."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import bench_overhead as bo
-from tests.conftest import REPO
 
 
 def test_rows_with_an_interval_get_one_spec_per_k():

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatier.checkpoint.commit.records import (CommitError, CommitRecord, DoneMarker, UnitListing, commit_key,
-                                                list_units, marker_key)
+from megatier.checkpoint.commit.records import (
+    CommitError,
+    CommitRecord,
+    DoneMarker,
+    UnitListing,
+    commit_key,
+    list_units,
+    marker_key,
+)
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.store import ObjectNotFound, ObjectStore
 from megatier.faults import CrashPoint, FaultHook, no_faults

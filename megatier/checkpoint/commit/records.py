@@ -33,7 +33,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from megatier.checkpoint.format.payload import FORMAT, PayloadError, Stamp
+from megatier.checkpoint.format.payload import FORMAT, JsonRecord, PayloadError, Stamp
 from megatier.checkpoint.format.units import PayloadId, rank_name
 from megatier.checkpoint.tiers.store import ObjectStore
 
@@ -61,12 +61,13 @@ def commit_key(pid: PayloadId) -> str:
 
 
 @dataclass(frozen=True)
-class DoneMarker:
+class DoneMarker(JsonRecord):
     """Phase 1: one rank's statement that ``key`` holds its payload for the unit."""
 
     key: str
     stamp: Stamp
     incarnation: str
+    json_errors = ("done marker", CommitError, "delete it so the rank's uploader can write it again")
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, "key": self.key, "stamp": self.stamp.to_dict(), "incarnation": self.incarnation}
@@ -79,17 +80,6 @@ class DoneMarker:
             raise CommitError(f"{source}: malformed done marker ({type(e).__name__}: {e}); delete it so the "
                               f"rank's uploader can write it again") from e
 
-    def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, source: str) -> "DoneMarker":
-        try:
-            d = json.loads(data)
-        except ValueError as e:
-            raise CommitError(f"{source}: done marker is not valid JSON ({e}); delete it so the rank's uploader "
-                              f"can write it again") from e
-        return cls.from_dict(d, source)
 
 
 @dataclass(frozen=True)

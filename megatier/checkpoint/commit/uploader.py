@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Callable, Optional, TypeVar
 
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
-from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.format.payload import EncodedPayload
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
+from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.threads import helper_thread
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 T = TypeVar("T")
@@ -65,25 +65,17 @@ class Uploader:
         # (e.g. a token broadcast from rank 0 at start-up): a commit never mixes two incarnations' markers.
         # Only backoff's delays are used: the uploader never gives up on a payload while it is open.
         # ``on_done(pid)`` runs in the uploader's thread after each done marker (the coordinator's nudge).
-        self.store = store
-        self.job_id = job_id
-        self.rank = rank
-        self.backoff = backoff
-        self.fault_hook = fault_hook
-        self.on_done = on_done
         if not incarnation:
             raise ValueError("incarnation must be a non-empty token shared by every rank of this launch")
-        self.incarnation = incarnation
+        self.store, self.job_id, self.rank, self.incarnation = store, job_id, rank, incarnation
+        self.backoff, self.fault_hook, self.on_done = backoff, fault_hook, on_done
         self._rng = random.Random()
         self._queue: collections.deque[EncodedPayload] = collections.deque()
-        self._cv = threading.Condition()
-        self._closing = False
-        self._abort = threading.Event()
+        self._cv, self._abort = threading.Condition(), threading.Event()
+        self._closing = self._stopped = False  # _stopped: the worker thread has exited
         self._error: Optional[BaseException] = None
-        self._stopped = False  # the worker thread has exited
         self._last: Optional[PayloadId] = None
-        self._failures = 0
-        self._last_error: Optional[str] = None
+        self._failures, self._last_error = 0, None
         self._thread = helper_thread(self._run, f"megatier-t3-upload-rank{rank}")
         self._thread.start()
 
@@ -95,7 +87,7 @@ class Uploader:
         with self._cv:
             self._raise_if_failed()
             if self._closing:
-                raise UploaderError(f"uploader of rank {self.rank} is closed; {payload.stamp.pid} was not queued")
+                self._refuse(payload.stamp.pid)
             if payload.mapped and len(self._queue) >= MAPPED_QUEUE_CAP:
                 # Tier-3 is behind: queue a copy so a long outage holds memory (bounded by the
                 # budget), not thousands of open files and maps of Tier-1.
@@ -134,6 +126,9 @@ class Uploader:
         self._thread.join(timeout=5.0)
         with self._cv:
             return [p.stamp.pid for p in self._queue]
+
+    def _refuse(self, pid: PayloadId) -> None:
+        raise UploaderError(f"uploader of rank {self.rank} is closed; {pid} was not queued")
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -196,5 +191,5 @@ class Uploader:
                 if attempt % 10 == 0:
                     log.warning("Tier-3 %s failed (attempt %d), retrying: %s", what, attempt + 1, e)
                 if self._abort.wait(self.backoff.delay(attempt, self._rng)):
-                    raise _Stopped()
+                    raise _Stopped() from e
                 attempt += 1

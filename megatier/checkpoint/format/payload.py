@@ -26,15 +26,15 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Optional, Sequence
+from typing import Any, BinaryIO, ClassVar, Optional, Sequence
 
 import safetensors.torch
 import torch
 import xxhash
 
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.tiers.store import Buffer
+from megatier.parallel.layout import Layout
 
 FORMAT = 1
 _META_KEY = "megatier"
@@ -50,15 +50,40 @@ def checksum(data: bytes) -> str:
     return xxhash.xxh64(data).hexdigest()
 
 
+class JsonRecord:
+    """``to_json``/``from_json`` of a record class with ``to_dict`` and ``from_dict(d, source)``.
+
+    Unparsable bytes raise the class's error naming the source, what the record
+    is and the fix: ``json_errors = (what, error class, fix)``.
+    """
+
+    json_errors: ClassVar[tuple[str, type, str]]
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes, source: str):
+        what, error, fix = cls.json_errors
+        try:
+            d = json.loads(data)
+        except (UnicodeDecodeError, ValueError) as e:
+            raise error(f"{source}: {what} is not valid JSON ({e}); {fix}") from e
+        if not isinstance(d, dict):
+            raise error(f"{source}: {what} is not a JSON object; {fix}")
+        return cls.from_dict(d, source)
+
+
 @dataclass(frozen=True)
-class Stamp:
+class Stamp(JsonRecord):
     """What is stored beside a payload: its unit, size, xxh64, job id and layout."""
 
     pid: PayloadId
     size: int
     xxh64: str
     job_id: str
-    layout: ShardLayout
+    layout: Layout
+    json_errors = ("stamp", PayloadError, "the copy is unusable, delete it or recover from another tier")
 
     @property
     def rank(self) -> int:
@@ -75,24 +100,11 @@ class Stamp:
                 raise PayloadError(f"{source}: stamp format {d['format']} is not {FORMAT}; it was written by "
                                    f"another MegaTier version")
             return cls(PayloadId.from_dict(d), int(d["size"]), str(d["xxh64"]), str(d["job_id"]),
-                       ShardLayout.from_dict(d["layout"]))
+                       Layout.from_dict(d["layout"]))
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"{source}: malformed stamp ({type(e).__name__}: {e}); the copy is unusable, "
                                f"delete it or recover from another tier") from e
 
-    def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, source: str) -> "Stamp":
-        try:
-            d = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PayloadError(f"{source}: stamp is not valid JSON ({e}); the copy is unusable, delete it or "
-                               f"recover from another tier") from e
-        if not isinstance(d, dict):
-            raise PayloadError(f"{source}: stamp is not a JSON object")
-        return cls.from_dict(d, source)
 
 
 @dataclass(frozen=True)
@@ -190,7 +202,7 @@ class PayloadDraft:
     tensors: dict[str, torch.Tensor]
     metadata: dict[str, str]
     job_id: str
-    layout: ShardLayout
+    layout: Layout
 
     def stamp(self, data) -> Stamp:
         """The stamp of ``data``, this draft's serialized bytes (any buffer)."""
@@ -218,12 +230,12 @@ class PayloadDraft:
 
 
 def _draft(pid: PayloadId, tensors: dict[str, torch.Tensor], meta: dict, job_id: str,
-           layout: ShardLayout) -> PayloadDraft:
+           layout: Layout) -> PayloadDraft:
     meta = {"format": FORMAT, **pid.to_dict(), "job_id": job_id, "layout": layout.to_dict(), **meta}
     return PayloadDraft(pid, tensors, {_META_KEY: json.dumps(meta)}, job_id, layout)
 
 
-def draft_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> PayloadDraft:
+def draft_base(state: BaseState, *, job_id: str, layout: Layout) -> PayloadDraft:
     """A base shard ready to serialize; fp32 state tensors must be 1-D and of equal length."""
     shapes = {name: tuple(getattr(state, name).shape) for name in _STATE_TENSORS}
     if len(set(shapes.values())) != 1 or len(shapes["master"]) != 1:
@@ -238,7 +250,7 @@ def draft_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> Payload
     return _draft(PayloadId.base(state.version), tensors, meta, job_id, layout)
 
 
-def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLayout) -> PayloadDraft:
+def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout) -> PayloadDraft:
     """N consecutive steps' records as one diff batch, ready to serialize."""
     if not steps:
         raise ValueError("a diff batch needs at least one step")
@@ -255,12 +267,12 @@ def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLay
     return _draft(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout)
 
 
-def encode_base(state: BaseState, *, job_id: str, layout: ShardLayout) -> EncodedPayload:
+def encode_base(state: BaseState, *, job_id: str, layout: Layout) -> EncodedPayload:
     """Serialize a base shard to bytes (see :func:`draft_base`)."""
     return draft_base(state, job_id=job_id, layout=layout).to_payload()
 
 
-def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: ShardLayout) -> EncodedPayload:
+def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout) -> EncodedPayload:
     """Serialize N consecutive steps' records to bytes as one diff batch."""
     return draft_diff_batch(steps, job_id=job_id, layout=layout).to_payload()
 
@@ -285,13 +297,13 @@ def read_metadata(data: bytes, source: str) -> dict:
     return meta
 
 
-def _open(payload: EncodedPayload, kind: str, job_id: str, layout: ShardLayout,
+def _open(payload: EncodedPayload, kind: str, job_id: str, layout: Layout,
           source: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Metadata and tensors of ``payload`` after checking who and what it is."""
     stamp = payload.stamp
     meta = read_metadata(payload.data, source)
     try:
-        pid, owner, shard = PayloadId.from_dict(meta), meta["job_id"], ShardLayout.from_dict(meta["layout"])
+        pid, owner, shard = PayloadId.from_dict(meta), meta["job_id"], Layout.from_dict(meta["layout"])
     except (KeyError, TypeError, ValueError) as e:
         raise PayloadError(f"{source}: payload metadata lacks its identity ({type(e).__name__}: {e})") from e
     if pid != stamp.pid or pid.kind != kind:
@@ -308,7 +320,7 @@ def _open(payload: EncodedPayload, kind: str, job_id: str, layout: ShardLayout,
     return meta, tensors
 
 
-def decode_base(payload: EncodedPayload, *, job_id: str, layout: ShardLayout, source: str) -> BaseState:
+def decode_base(payload: EncodedPayload, *, job_id: str, layout: Layout, source: str) -> BaseState:
     """Rebuild a BaseState; raises PayloadError naming ``source`` on any mismatch."""
     meta, tensors = _open(payload, BASE, job_id, layout, source)
     try:
@@ -320,7 +332,7 @@ def decode_base(payload: EncodedPayload, *, job_id: str, layout: ShardLayout, so
         raise PayloadError(f"{source}: base payload lacks {e}") from e
 
 
-def decode_diff_batch(payload: EncodedPayload, *, job_id: str, layout: ShardLayout,
+def decode_diff_batch(payload: EncodedPayload, *, job_id: str, layout: Layout,
                       source: str) -> list[DiffStep]:
     """Rebuild the batch's DiffSteps in step order; raises PayloadError naming ``source`` on any mismatch."""
     meta, tensors = _open(payload, DIFF, job_id, layout, source)

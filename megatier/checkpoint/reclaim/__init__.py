@@ -1,0 +1,1 @@
+"""Reclamation: what each tier may delete, and the one executor that deletes it (see megatier.checkpoint)."""

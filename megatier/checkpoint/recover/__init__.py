@@ -1,0 +1,1 @@
+"""The recovery path: inventory, consensus, cascade, replay (see megatier.checkpoint)."""

@@ -31,14 +31,19 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatier.checkpoint.comm import CheckpointComm
-from megatier.checkpoint.format.layout import ShardLayout
-from megatier.checkpoint.format.payload import (EncodedPayload, PayloadError, decode_base, decode_diff_batch,
-                                                verify_payload)
+from megatier.checkpoint.format.payload import (
+    EncodedPayload,
+    PayloadError,
+    decode_base,
+    decode_diff_batch,
+    verify_payload,
+)
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.consensus import Consensus, cascade
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, raise_fatal
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy, Tier
 from megatier.checkpoint.tiers.store import StoreError
+from megatier.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ class Reader:
 
     node: str
     job_id: str
-    layout: ShardLayout
+    layout: Layout
     tiers: dict[str, Tier]
 
     def read(self, copy: Copy) -> EncodedPayload:

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from megatier.checkpoint.format.chain import chain_to, reachable
-from megatier.checkpoint.format.layout import layout_str as _layout_str
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
+from megatier.parallel.layout import layout_str as _layout_str
 
 log = logging.getLogger(__name__)
 

@@ -29,12 +29,18 @@ import threading
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from megatier.checkpoint.format.layout import ShardLayout
-from megatier.checkpoint.format.payload import (BaseState, DiffStep, EncodedPayload, PayloadDraft, draft_base,
-                                                draft_diff_batch)
+from megatier.checkpoint.format.payload import (
+    BaseState,
+    DiffStep,
+    EncodedPayload,
+    PayloadDraft,
+    draft_base,
+    draft_diff_batch,
+)
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import Tier
+from megatier.parallel.layout import Layout
 
 
 @dataclass
@@ -46,7 +52,7 @@ class _DiffJob:
 class SaveWorker:
     """One rank's save thread; errors surface on the next call from the loop."""
 
-    def __init__(self, *, job_id: str, layout: ShardLayout, tiers: Sequence[Tier], keep_for_loop: bool,
+    def __init__(self, *, job_id: str, layout: Layout, tiers: Sequence[Tier], keep_for_loop: bool,
                  inline: bool = False):
         if not tiers:
             raise ValueError("the save worker needs at least one tier")
@@ -121,7 +127,8 @@ class SaveWorker:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"rank {self.layout.rank}: checkpoint save thread failed: {self._error!r}") from self._error
+            raise RuntimeError(f"rank {self.layout.rank}: checkpoint save thread failed: {self._error!r}"
+                               ) from self._error
 
     def _run(self) -> None:
         while True:

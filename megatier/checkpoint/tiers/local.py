@@ -38,7 +38,10 @@ def discard_area(memory: NodeMemory, end: int, *, replica: bool) -> list[str]:
     for owner in memory.owners(replica=replica):
         memory.sweep_incomplete(owner, replica=replica)
         held = [e.pid for e in memory.entries(replica=replica, owner_rank=owner)]
-        for pid in delete_units(beyond_end(held, end), lambda p: memory.delete(owner, p, replica=replica)):
+        def delete(pid: PayloadId, owner: int = owner) -> None:
+            memory.delete(owner, pid, replica=replica)
+
+        for pid in delete_units(beyond_end(held, end), delete):
             gone.append(f"{memory.node} {kind} rank {owner} {pid}")
     return gone
 

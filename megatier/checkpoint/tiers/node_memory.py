@@ -31,9 +31,9 @@ from typing import Optional
 
 import xxhash
 
-from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
-from megatier.checkpoint.format.units import PayloadId, check_path_component, parse_rank_name, rank_name, rank_name
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
+from megatier.checkpoint.format.units import PayloadId, check_path_component, parse_rank_name, rank_name
+from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
 from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 

@@ -19,8 +19,7 @@ from urllib.parse import urlparse
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import Coordinator, NoCoordinator
 from megatier.checkpoint.commit.reader import RemoteReader
-from megatier.checkpoint.commit.records import (COMMITTED, CommitError, CommitRecord, commit_key, delete_unit,
-                                                list_units)
+from megatier.checkpoint.commit.records import COMMITTED, CommitError, CommitRecord, commit_key, delete_unit, list_units
 from megatier.checkpoint.commit.uploader import Uploader
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
 from megatier.checkpoint.format.units import PayloadId, check_path_component, rank_name

@@ -1,4 +1,4 @@
-"""Tier-2: replicate this rank's payloads into the Tier-1 area of its ring peer (DESIGN.md section 4).
+"""The Tier-2 ring protocol: replicate this rank's payloads into the node memory of its ring peer.
 
 Every rank is a sender (its own units go to ``holder_rank``, the same local rank
 on the next node) and a receiver (it keeps ``owner_rank``'s units under
@@ -19,20 +19,11 @@ same tick (no cycle of waits can form around the ring):
    (and, on rings of 3+ nodes, to the owner, which needs our size to agree on
    pacing), then the stamp JSON bytes to the holder. Diverging schedules are
    detected here and stop replication with an error instead of a hang.
-2. data: each transfer direction (a *leg*) is cut into chunks; chunk k of a leg
-   moves at the first tick >= its due step. A diff batch is one chunk, due now.
-   A base at step v is handed over at v + 1 and paced from v + 2 on:
-   L = max(sender size, receiver size), T = max(1, base_interval - 2 - margin)
-   (the steps from v + 2 to the next base, less margin = max(1, base_interval //
-   5)), chunk = min(ceil(L / T), max_chunk_bytes), and chunk k of the sender's
-   n is due at v + 2 + floor(k * T / n): the last at v + base_interval - 1 -
-   margin at the latest. Both ends compute the same plan from the
-   headers, so the receiver posts exactly the receives the sender sends. When the
-   cap binds, several chunks fall into one step; T < base_interval leaves the
-   margin for a slow peer. A new base (or a flush) forces every remaining chunk
-   of the previous one to move in that tick: the only synchronous flush, which
-   ``on_step`` reports as stall. The ``t2.mid_chunk`` fault point is called on
-   the sender after every chunk of a base but its last.
+2. data: each leg's due chunks move (the pacing plan, computed alike at both
+   ends from the headers, is in :mod:`.ring`). A new base (or a flush) forces
+   every remaining chunk of the previous one to move in that tick: the only
+   synchronous flush, which ``on_step`` reports as stall. The ``t2.mid_chunk``
+   crash point is called on the sender after every chunk of a base but its last.
 3. acks: a receiver whose leg got its last chunk verifies it (size + xxh64),
    publishes it, and sends [ok, kind, first, last] back; the sender records the
    unit in ``acked_units`` only on ok. A bad copy is discarded, never visible, and
@@ -40,7 +31,7 @@ same tick (no cycle of waits can form around the ring):
    Tier-3, and the next unit replaces it.
 
 Invariants:
-- A replica becomes visible only through :meth:`LocalTier.save` (diffs, after
+- A replica becomes visible only through :meth:`NodeMemory.save` (diffs, after
   verify_payload) or :meth:`ReplicaWriter.finish` (bases, after the checksum):
   a sender that dies mid-base leaves an invisible temp file, which the thread
   discards when it stops.

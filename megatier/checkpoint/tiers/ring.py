@@ -2,9 +2,16 @@
 
 A *leg* is one direction of one unit between two ring neighbours, cut into
 chunks; chunk k of a leg moves at the first tick at or after its due step. A
-diff batch is one chunk, due at once. A paced base (:func:`chunk_plan`) spreads
-its chunks over the steps before the next base so the replica is whole a
-margin before it is needed, without a synchronous copy in the loop.
+diff batch is one chunk, due at once. A base at step v is handed over at v + 1
+and paced from v + 2 on (:func:`chunk_plan`): L = max(sender size, receiver
+size), T = max(1, base_interval - 2 - margin) (the steps from v + 2 to the next
+base, less margin = max(1, base_interval // 5)), chunk = min(ceil(L / T),
+max_chunk_bytes), and chunk k of the sender's n is due at v + 2 + floor(k * T
+/ n): the last at v + base_interval - 1 - margin at the latest, so the replica
+is whole a margin before the next base. Both ends compute the same plan, so
+the receiver posts exactly the receives the sender sends. When the cap binds,
+several chunks fall into one step; T < base_interval leaves the margin for a
+slow peer.
 """
 from __future__ import annotations
 

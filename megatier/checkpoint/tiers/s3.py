@@ -24,11 +24,25 @@ from typing import Callable, Optional, TypeVar
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import (BotoCoreError, ClientError, NoCredentialsError, NoRegionError,
-                                 ParamValidationError, PartialCredentialsError)
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    NoCredentialsError,
+    NoRegionError,
+    ParamValidationError,
+    PartialCredentialsError,
+)
 
-from megatier.checkpoint.tiers.store import (ObjectNotFound, ObjectStore, RetryPolicy, StoreError, StoreUnavailable,
-                                       TransientStoreError, check_key, retry_call)
+from megatier.checkpoint.tiers.store import (
+    ObjectNotFound,
+    ObjectStore,
+    RetryPolicy,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+    check_key,
+    retry_call,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -18,18 +18,29 @@ from megatier import ops
 from megatier.checkpoint.checkpointer import TrainState, build_checkpointer
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import list_units
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.payload import decode_base, decode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.base import TIER1, TIER2
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.remote import open_remote_store
-from megatier.config import (CheckpointConfig, Config, DataConfig, DiffStreamConfig, LocalTierConfig, LoggingConfig,
-                             ModelConfig, OptimConfig, ParallelConfig, RemoteTierConfig, TrainConfig, WandbConfig)
-from megatier.ops.compression import CompressedRecord
+from megatier.config import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DiffStreamConfig,
+    LocalTierConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RemoteTierConfig,
+    TrainConfig,
+    WandbConfig,
+)
+from megatier.ops.records import CompressedRecord
 from megatier.training.trainer import Trainer
-from tests.conftest import REPO
 from tests.checkpoint_fakes import FlakyStore
+from tests.conftest import REPO
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,7 +56,8 @@ def _config(tmp: str, prefix: str, *, iters: int, tp: int = 2, compression: str 
         parallel=ParallelConfig(tp=tp, pp=1, timeout_s=60.0),
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2),
         data=DataConfig(prefix=prefix, seq_len=32),
-        train=TrainConfig(iters=iters, global_batch_size=8 // tp, micro_batch_size=2 // tp, seed=3, device="cpu", threads=1,
+        train=TrainConfig(iters=iters, global_batch_size=8 // tp, micro_batch_size=2 // tp, seed=3, device="cpu",
+                          threads=1,
                           eval_interval=10**6, eval_iters=1),
         checkpoint=CheckpointConfig(enabled=True, base_interval=base_interval, job_id=JOB,
                                     diff=DiffStreamConfig(batch=5, compression=compression, small_threshold=200),

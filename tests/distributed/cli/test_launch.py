@@ -1,4 +1,4 @@
-"""megatier-launch (scripts/launch_local_cluster.py): simulated nodes, their ranks and the Tier-2 ring, and the job's exit status."""
+"""megatier-launch: simulated nodes, their ranks and the Tier-2 ring, and the job's exit status."""
 from __future__ import annotations
 
 import json

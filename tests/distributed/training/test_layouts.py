@@ -152,7 +152,7 @@ def _untie(tensors: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tenso
 
 def _gather_params(results: list[dict]) -> dict[str, torch.Tensor]:
     pieces, partition = defaultdict(list), {}
-    for (_, tp_rank), ranks in sorted(_by_stage(results).items()):
+    for _, ranks in sorted(_by_stage(results).items()):
         for name, (value, dim, stride) in ranks[0]["params"].items():
             for other in ranks[1:]:  # ZeRO-1 all-gather: every dp replica holds identical parameters
                 assert torch.equal(other["params"][name][0], value), f"dp replicas differ in {name}"
@@ -164,7 +164,7 @@ def _gather_params(results: list[dict]) -> dict[str, torch.Tensor]:
 def _gather_consumed(results: list[dict]) -> dict[str, torch.Tensor]:
     """Step-1 consumed gradient by name; every element must come from exactly one dp shard."""
     pieces, partition = defaultdict(list), {}
-    for (_, tp_rank), ranks in sorted(_by_stage(results).items()):
+    for _, ranks in sorted(_by_stage(results).items()):
         flat, hits = {}, {}
         for res in ranks:
             for name, param_offset, shape, values in res["consumed"]:

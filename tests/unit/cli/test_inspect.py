@@ -9,12 +9,12 @@ import torch
 
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.faults import CrashPoint
+from megatier.parallel.layout import Layout
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -30,8 +30,8 @@ def script():
     return module
 
 
-def layout(rank: int) -> ShardLayout:
-    return ShardLayout(1, 1, 2, 0, 0, rank)
+def layout(rank: int) -> Layout:
+    return Layout(1, 1, 2, 0, 0, rank)
 
 
 def base(version: int, rank: int):

@@ -6,8 +6,14 @@ import warnings
 
 import pytest
 
-from megatier.config import (CheckpointConfig, CheckpointConfigWarning, ConfigError, check_checkpoint_config,
-                             effective_checkpoint_config, validate)
+from megatier.config import (
+    CheckpointConfig,
+    CheckpointConfigWarning,
+    ConfigError,
+    check_checkpoint_config,
+    effective_checkpoint_config,
+    validate,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

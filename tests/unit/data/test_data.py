@@ -9,7 +9,7 @@ import pytest
 from megatier.data.corpus import build_dataset
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
-from megatier.data.tokenizer import ByteTokenizer, BPETokenizer, train_bpe
+from megatier.data.tokenizer import BPETokenizer, ByteTokenizer, train_bpe
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld — ünïcode ✓", "", "class A:\n    pass\n" * 20]
 

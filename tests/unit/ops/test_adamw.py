@@ -137,7 +137,8 @@ def test_replay_mixed_records_and_tensors():
     recs = [grads[0], ops.compress_segments(grads[1], None, "int8"), ops.compress_segments(grads[2], None, "topk", 0.1)]
     a = _state(n)
     b = [t.clone() for t in a]
-    ops.adamw_replay(*a, recs, [1, 2, 3], [1e-3] * 3, weight_decay=0.0, decay_segments=torch.empty(0, 2, dtype=torch.int64), **HP)
+    no_decay = torch.empty(0, 2, dtype=torch.int64)
+    ops.adamw_replay(*a, recs, [1, 2, 3], [1e-3] * 3, weight_decay=0.0, decay_segments=no_decay, **HP)
     for i, r in enumerate(recs):
         g = r if isinstance(r, torch.Tensor) else ops.decompress_segments(r)
         ops.adamw_step(*b, g, i + 1, 1e-3, weight_decay=0.0, decay_segments=torch.empty(0, 2, dtype=torch.int64), **HP)

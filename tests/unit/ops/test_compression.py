@@ -9,7 +9,7 @@ import torch
 
 from megatier import ops
 from megatier.ops import _native, reference
-from megatier.ops.compression import _chunk_seed
+from megatier.ops.codecs import _chunk_seed
 
 native_only = pytest.mark.skipif(not ops.native_available(), reason="megatier._C not built")
 

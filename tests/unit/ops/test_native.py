@@ -40,7 +40,8 @@ with warnings.catch_warnings(record=True) as w:
     p, m, v = torch.zeros(1000), torch.zeros(1000), torch.zeros(1000)
     ops.adamw_step(p, m, v, x, 1, 1e-3, 0.9, 0.95, 1e-8, 0.0, torch.empty(0, 2, dtype=torch.int64))
     rec = ops.compress_segments(x, [(0, 400), (400, 600)], "adaptive", 0.1, 500)
-    ops.adamw_replay(p, m, v, [x, rec], [2, 3], [1e-3, 1e-3], 0.9, 0.95, 1e-8, 0.0, torch.empty(0, 2, dtype=torch.int64))
+    no_decay = torch.empty(0, 2, dtype=torch.int64)
+    ops.adamw_replay(p, m, v, [x, rec], [2, 3], [1e-3, 1e-3], 0.9, 0.95, 1e-8, 0.0, no_decay)
 msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
 assert len(msgs) == 1, msgs
 assert "reference" in msgs[0] and "pip install --no-build-isolation -e ." in msgs[0], msgs[0]

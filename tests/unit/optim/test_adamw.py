@@ -11,9 +11,9 @@ from megatier import ops
 from megatier.config import OptimConfig
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters, ranges_tensor
+from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
-from megatier.parallel.grad_buffer import GradBuffer
 from megatier.parallel.layers import mark_partition
 
 

@@ -40,8 +40,8 @@ from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.config import CheckpointConfig, DiffStreamConfig, LocalTierConfig, OptimConfig, RemoteTierConfig
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters
+from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.schedule import WarmupCosine
-from megatier.parallel.grad_buffer import GradBuffer
 from megatier.parallel.state import build_parallel_state
 from tests.distributed.world import run_world
 
@@ -219,7 +219,8 @@ def _guarded(fn, *args) -> dict:
 def _all(rank: int, root: Path) -> dict:
     """Every scenario, one after another in one world (spawning a world costs more than all of them)."""
     ps = _world(rank)
-    out = {kind: _guarded(_scenario, rank, root / kind, kind, ps) for kind in ("software", "node", "rack", "corrupt", "remap")}
+    kinds = ("software", "node", "rack", "corrupt", "remap")
+    out = {kind: _guarded(_scenario, rank, root / kind, kind, ps) for kind in kinds}
     out["missing"] = _guarded(_empty_then_missing, rank, root / "missing", ps)
     out["foreign"] = _guarded(_foreign, rank, root / "foreign", ps)  # last: it builds a second layout
     return out

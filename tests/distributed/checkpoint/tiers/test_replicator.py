@@ -19,12 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.checkpoint.format.payload import EncodedPayload, Stamp, checksum
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.format.payload import EncodedPayload, ShardLayout, Stamp, checksum
+from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.replicator import PeerReplicator
 from megatier.checkpoint.tiers.store import ObjectNotFound
 from megatier.faults import CrashPoint, FaultInjector, no_faults
+from megatier.parallel.layout import Layout
 from tests.distributed.world import _worker, run_world
 
 pytestmark = pytest.mark.timeout(90)
@@ -39,7 +40,7 @@ def _ring(rank: int, nodes: int, per_node: int) -> tuple[str, int, int]:
 
 def _payload(rank: int, world: int, pid: PayloadId, size: int) -> EncodedPayload:
     data = random.Random(f"{rank}/{pid}/{size}").randbytes(size)
-    return EncodedPayload(data, Stamp(pid, size, checksum(data), JOB, ShardLayout(1, 1, world, 0, 0, rank)))
+    return EncodedPayload(data, Stamp(pid, size, checksum(data), JOB, Layout(1, 1, world, 0, 0, rank)))
 
 
 class _Plan:
@@ -114,7 +115,7 @@ def test_diffs_and_bases_arrive_byte_identical(tmp_path):
     plan = _Plan(12, bases={0: 60_000, 4: 60_000, 8: 60_000}, diff_every=2)
     results = _world(tmp_path, plan, base_interval=4, max_chunk=1 << 20)
     _all_ok(results)
-    for rank, r in enumerate(results):
+    for r in results:
         assert len(r["replicas"]) == 9, r["replicas"]  # 6 diff batches and 3 bases from the owner
         st = r["status"]
         assert st.acked_units == {"diff": PayloadId.diff(10, 11), "base": PayloadId.base(8)}, st
@@ -243,7 +244,7 @@ def test_ring_of_three_nodes_paces_with_both_neighbours_sizes(tmp_path):
     plan = _Plan(12, bases={0: 90_000, 5: 90_000, 10: 90_000}, diff_every=3)
     results = _world(tmp_path, plan, world=3, nodes=3, base_interval=5, max_chunk=20_000)
     _all_ok(results)
-    for rank, r in enumerate(results):
+    for r in results:
         assert len(r["replicas"]) == 7 and r["status"].acked_units["base"] == PayloadId.base(10)
         chunks = [(step, n) for v, step, n in r["status"].base_chunks if v == 0]
         assert {step for step, _ in chunks} <= set(range(1, 3)), chunks  # T = 5 - 2 - 1 = 2 steps

@@ -7,14 +7,26 @@ import itertools
 import pytest
 import torch
 
+from megatier.checkpoint.format.payload import (
+    BaseState,
+    DiffStep,
+    EncodedPayload,
+    PayloadError,
+    Stamp,
+    checksum,
+    decode_base,
+    decode_diff_batch,
+    encode_base,
+    encode_diff_batch,
+    read_metadata,
+    verify_payload,
+)
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.format.payload import (BaseState, DiffStep, EncodedPayload, PayloadError, ShardLayout, Stamp,
-                                         checksum, decode_base, decode_diff_batch, encode_base, encode_diff_batch,
-                                         read_metadata, verify_payload)
+from megatier.parallel.layout import Layout
 
 pytestmark = pytest.mark.timeout(30)
 
-LAYOUT = ShardLayout(tp=2, pp=2, dp=2, tp_rank=1, pp_rank=0, dp_rank=1)
+LAYOUT = Layout(tp=2, pp=2, dp=2, tp_rank=1, pp_rank=0, dp_rank=1)
 JOB = "run42"
 
 
@@ -72,7 +84,7 @@ def test_base_round_trip_is_bitwise():
 def test_base_metadata_names_job_layout_and_unit():
     payload = encode_base(make_base(), job_id=JOB, layout=LAYOUT)
     meta = read_metadata(payload.data, "mem")
-    assert meta["job_id"] == JOB and ShardLayout.from_dict(meta["layout"]) == LAYOUT
+    assert meta["job_id"] == JOB and Layout.from_dict(meta["layout"]) == LAYOUT
     assert PayloadId.from_dict(meta) == PayloadId.base(50)
 
 
@@ -153,10 +165,10 @@ def test_stamp_json_round_trip_and_malformed_stamps():
 
 def test_layout_ranks_are_a_bijection_with_tp_fastest():
     tp, pp, dp = 2, 3, 2
-    layouts = [ShardLayout(tp, pp, dp, t, p, d) for p, d, t in itertools.product(range(pp), range(dp), range(tp))]
+    layouts = [Layout(tp, pp, dp, t, p, d) for p, d, t in itertools.product(range(pp), range(dp), range(tp))]
     assert [lay.rank for lay in layouts] == list(range(tp * pp * dp))
     with pytest.raises(ValueError, match="layout"):
-        ShardLayout(2, 1, 1, 2, 0, 0)
+        Layout(2, 1, 1, 2, 0, 0)
 
 
 def test_compressed_gradient_records_survive_a_diff_batch():
@@ -185,7 +197,7 @@ def test_draft_pieces_are_a_safetensors_file_for_every_payload_dtype():
                "i32": torch.arange(6, dtype=torch.int32).reshape(2, 3), "u8": torch.tensor([0, 255], dtype=torch.uint8),
                "i64": torch.tensor([2**40]), "bool": torch.tensor([True, False]), "empty": torch.zeros(0),
                "scalar": torch.tensor(3.5)}
-    draft = PayloadDraft(PayloadId.base(1), tensors, {"megatier": "{}"}, "j", ShardLayout(1, 1, 1, 0, 0, 0))
+    draft = PayloadDraft(PayloadId.base(1), tensors, {"megatier": "{}"}, "j", Layout(1, 1, 1, 0, 0, 0))
     data = draft.to_payload().data
     header_len = int.from_bytes(data[:8], "little")
     assert header_len % 8 == 0  # tensor data starts 8-byte aligned
@@ -200,4 +212,4 @@ def test_draft_pieces_are_a_safetensors_file_for_every_payload_dtype():
         assert torch.equal(raw(loaded[name]), raw(t)), name
     with pytest.raises(ValueError, match="complex64"):
         PayloadDraft(PayloadId.base(1), {"c": torch.zeros(2, dtype=torch.complex64)}, {}, "j",
-                     ShardLayout(1, 1, 1, 0, 0, 0)).pieces()
+                     Layout(1, 1, 1, 0, 0, 0)).pieces()

@@ -10,7 +10,6 @@ from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import reclaim_remote
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import DoneMarker, commit_key, list_units, marker_key, object_key
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
@@ -18,11 +17,12 @@ from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set, re
 from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.parallel.layout import Layout
 
 pytestmark = pytest.mark.timeout(60)
 
 JOB = "job1"
-LAYOUT = ShardLayout(1, 1, 1, 0, 0, 0)
+LAYOUT = Layout(1, 1, 1, 0, 0, 0)
 
 
 def chain_end(anchor: int, diffs: set[PayloadId]) -> int:

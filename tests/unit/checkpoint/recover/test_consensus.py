@@ -8,7 +8,6 @@ import torch
 
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
-from megatier.checkpoint.format.layout import ShardLayout
 from megatier.checkpoint.format.payload import BaseState, Stamp, encode_base
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.consensus import cascade, decide
@@ -19,6 +18,7 @@ from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.local import LocalTier, list_area
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.remote import list_committed
+from megatier.parallel.layout import Layout
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -28,7 +28,7 @@ DEG = (1, 1, 2)  # tp, pp, dp: a world of 2
 
 def stamp(rank: int, pid: PayloadId, job: str = JOB, degrees: tuple = DEG) -> Stamp:
     tp, pp, dp = degrees
-    layout = ShardLayout(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)
+    layout = Layout(tp, pp, dp, rank % tp, rank // (tp * dp), (rank // tp) % dp)
     return Stamp(pid, 100, f"{rank:04x}{pid.first:06x}{pid.last:06x}", job, layout)
 
 
@@ -146,7 +146,8 @@ def test_other_job_is_refused_naming_both():
 
 
 def test_foreign_copies_beside_usable_ones_are_ignored():
-    cs = copies([0, 1], [B(0), D(1, 2)]) + copies([0, 1], [B(8)], job="other") + copies([0, 1], [B(9)], degrees=(2, 1, 1))
+    cs = (copies([0, 1], [B(0), D(1, 2)]) + copies([0, 1], [B(8)], job="other")
+          + copies([0, 1], [B(9)], degrees=(2, 1, 1)))
     c = run(cs)
     assert (c.version, c.end) == (0, 2)
     assert len(c.ignored) == 4

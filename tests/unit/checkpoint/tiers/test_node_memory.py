@@ -6,20 +6,27 @@ import os
 import pytest
 import torch
 
-from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.faults import CrashPoint
+from megatier.checkpoint.format.payload import (
+    BaseState,
+    DiffStep,
+    PayloadError,
+    decode_base,
+    encode_base,
+    encode_diff_batch,
+)
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.format.payload import (BaseState, DiffStep, PayloadError, ShardLayout, decode_base,
-                                         encode_base, encode_diff_batch)
+from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.store import ObjectNotFound
+from megatier.faults import CrashPoint
+from megatier.parallel.layout import Layout
 
 pytestmark = pytest.mark.timeout(30)
 
 JOB = "job1"
 
 
-def layout(rank: int) -> ShardLayout:
-    return ShardLayout(tp=1, pp=1, dp=4, tp_rank=0, pp_rank=0, dp_rank=rank)
+def layout(rank: int) -> Layout:
+    return Layout(tp=1, pp=1, dp=4, tp_rank=0, pp_rank=0, dp_rank=rank)
 
 
 def base_payload(version: int, rank: int = 0, fill: float = 1.0):
@@ -139,8 +146,8 @@ def test_bad_node_or_job_names_are_refused(tmp_path):
 
 
 def test_save_draft_writes_once_into_tier1_and_hands_out_that_file(tmp_path):
-    from megatier.checkpoint.tiers.directory import DirectoryStore
     from megatier.checkpoint.format.payload import draft_base
+    from megatier.checkpoint.tiers.directory import DirectoryStore
 
     n = 1000
     state = BaseState(50, 50, torch.randn(n), torch.randn(n), torch.rand(n), {}, None, {"consumed_samples": 50})

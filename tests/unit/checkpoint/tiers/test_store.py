@@ -5,15 +5,20 @@ import random
 import socket
 import threading
 import time
-import uuid
 
 import pytest
 
 from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.checkpoint.tiers.s3 import S3Store
-from megatier.checkpoint.tiers.store import (ObjectNotFound, RetryPolicy, StoreError, StoreUnavailable,
-                                       TransientStoreError, retry_call)
+from megatier.checkpoint.tiers.store import (
+    ObjectNotFound,
+    RetryPolicy,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+    retry_call,
+)
 from megatier.config import ConfigError
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,20 +1,32 @@
-"""ShardLayout: which slice of the training state a payload holds, named by its 3D coordinates.
+"""Layout: the 3D parallel layout (degrees) and one rank's coordinates in it.
 
-Stamped on every payload, so a copy separated from its run still says which
-layout and rank wrote it. The rank follows the job's one rank formula
-(:func:`megatier.parallel.state.rank_of`).
+The one place of the rank formula: tp fastest, then dp, then pp::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so a tensor-parallel group is a run of consecutive ranks and stays inside a
+node whenever tp divides the processes per node. :class:`ParallelState` is a
+Layout with process groups; checkpoint payloads are stamped with the plain
+Layout that wrote them, so a copy separated from its run still says whose it is.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from megatier.parallel.state import rank_of
+
+def rank_of(tp_rank: int, dp_rank: int, pp_rank: int, *, tp: int, dp: int) -> int:
+    """The global rank at coordinates (tp_rank, dp_rank, pp_rank)."""
+    return pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+
+def coordinates_of(rank: int, *, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of ``rank``: the inverse of :func:`rank_of`."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
 
 @dataclass(frozen=True)
-class ShardLayout:
-    """The 3D layout (degrees) and this rank's coordinates in it."""
+class Layout:
+    """The 3D layout (degrees) and a rank's coordinates in it."""
 
     tp: int
     pp: int
@@ -40,16 +52,16 @@ class ShardLayout:
     def degrees(self) -> tuple[int, int, int]:
         return self.tp, self.pp, self.dp
 
-    @classmethod
-    def from_parallel_state(cls, ps: Any) -> "ShardLayout":
-        return cls(ps.tp, ps.pp, ps.dp, ps.tp_rank, ps.pp_rank, ps.dp_rank)
+    def plain(self) -> "Layout":
+        """Just the layout (a ParallelState without its process groups: picklable, comparable)."""
+        return Layout(self.tp, self.pp, self.dp, self.tp_rank, self.pp_rank, self.dp_rank)
 
     def to_dict(self) -> dict:
         return {"tp": self.tp, "pp": self.pp, "dp": self.dp,
                 "tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ShardLayout":
+    def from_dict(cls, d: dict) -> "Layout":
         return cls(*(int(d[k]) for k in ("tp", "pp", "dp", "tp_rank", "pp_rank", "dp_rank")))
 
     def __str__(self) -> str:

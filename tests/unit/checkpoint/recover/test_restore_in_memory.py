@@ -1,0 +1,72 @@
+"""restore() with in-memory tiers in a world of one: the cascade, fallbacks, cleanup and refusals."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatier.checkpoint.format.payload import EncodedPayload
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.recover.inventory import RecoveryError
+from megatier.checkpoint.recover.restore import restore
+from megatier.checkpoint.tiers.base import JOB, TIER1, TIER3
+from tests.unit.checkpoint.memory import MemoryTier, context, snapshot, step, tiny_shard
+
+pytestmark = pytest.mark.timeout(60)
+B, D = PayloadId.base, PayloadId.diff
+
+
+def _saved(steps: int) -> tuple[list[MemoryTier], dict]:
+    tiers = [MemoryTier(TIER1), MemoryTier(TIER3, scope=JOB)]
+    opt, shard = tiny_shard()
+    manager = CheckpointManager(context(tiers), shard, inline=True)
+    manager.restore()
+    snaps = {}
+    for s in range(1, steps + 1):
+        step(opt, s)
+        snaps[s] = snapshot(opt)
+        manager.after_step(s)
+    return tiers, snaps
+
+
+def _corrupt(tier: MemoryTier, pid: PayloadId) -> None:
+    p = tier.units[(0, pid)]
+    data = bytearray(p.data)
+    data[len(data) // 2] ^= 0xFF
+    tier.units[(0, pid)] = EncodedPayload(bytes(data), p.stamp)
+
+
+def test_a_corrupt_tier1_copy_falls_through_to_tier3_and_is_reported():
+    tiers, snaps = _saved(12)
+    _corrupt(tiers[0], B(10))
+    opt, shard = tiny_shard()
+    result = restore(context(tiers), shard, allow_fresh_start=False)
+    assert (result.version, result.end) == (10, 10)
+    assert result.record["source_tiers"] == {"tier1": 0, "tier2": 0, "tier3": 1}
+    assert any("base v10" in f and "xxh64" in f for f in result.record["fallbacks"])
+    assert torch.equal(opt.master, snaps[10]["master"])
+
+
+def test_units_beyond_the_recovery_point_are_discarded():
+    tiers, snaps = _saved(25)
+    t1, t3 = tiers
+    for t in tiers:  # base 20 is lost everywhere and Tier-3 never got batch 16-20
+        t.delete(B(20))
+    t3.delete(D(16, 20))
+    opt, shard = tiny_shard()
+    result = restore(context(tiers), shard, allow_fresh_start=False)
+    assert (result.version, result.end) == (10, 15)
+    assert torch.equal(opt.master, snaps[15]["master"]) and opt.adam_steps == snaps[15]["adam_steps"]
+    assert result.record["stale_units_removed"] == 2  # batch 21-25 in both tiers
+    assert all(pid.last <= 15 for t in tiers for _, pid in t.units)
+
+
+def test_nothing_anywhere_is_a_fresh_start_and_a_lost_base_is_refused():
+    tiers = [MemoryTier(TIER1), MemoryTier(TIER3, scope=JOB)]
+    assert restore(context(tiers), tiny_shard()[1], allow_fresh_start=False) is None
+    tiers, _ = _saved(6)
+    for t in tiers:
+        t.delete(B(0))
+    with pytest.raises(RecoveryError, match="no base version is available"):
+        restore(context(tiers), tiny_shard()[1], allow_fresh_start=False)
+    assert restore(context(tiers), tiny_shard()[1], allow_fresh_start=True) is None
