@@ -5,31 +5,13 @@
     checkpoint_validation  the checkpoint group's rules; the effective config on a given topology
     compose                register_configs (Hydra), compose_config (as pretrain_gpt.py), split_overrides
 """
-from megatier.config.checkpoint_validation import (
-    COMPRESSIONS,
-    TIERS,
-    CheckpointConfigWarning,
-    check_checkpoint_config,
-    check_remote_url,
-    effective_checkpoint_config,
-)
+from megatier.config.checkpoint_validation import (COMPRESSIONS, TIERS, CheckpointConfigWarning,
+                                                   check_checkpoint_config, check_remote_url,
+                                                   effective_checkpoint_config)
 from megatier.config.compose import compose_config, register_configs, split_overrides
-from megatier.config.schema import (
-    CheckpointConfig,
-    Config,
-    ConfigError,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    PeerTierConfig,
-    RemoteTierConfig,
-    TrainConfig,
-    WandbConfig,
-)
+from megatier.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig, DiffStreamConfig,
+                                    LocalTierConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                    PeerTierConfig, RemoteTierConfig, TrainConfig, WandbConfig)
 from megatier.config.validation import validate
 
 __all__ = [

@@ -195,16 +195,46 @@ inline void keep_mask(Part& part, size_t& c, const float* x, int64_t i, uint32_t
   }
 }
 
+// Bit j set when mag_key(x[j]) >= t, for the 32 elements at x (t >= 1).
+inline uint32_t ge_mask32(const float* x, uint32_t t) {
+#if defined(__AVX512F__)
+  const __m512i absmask = _mm512_set1_epi32(0x7fffffff), tv = _mm512_set1_epi32((int32_t)t);
+  const __mmask16 m0 = _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_loadu_si512((const void*)x), absmask), tv);
+  const __mmask16 m1 =
+      _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_loadu_si512((const void*)(x + 16)), absmask), tv);
+  return (uint32_t)m0 | ((uint32_t)m1 << 16);
+#elif defined(__AVX2__)
+  const __m256i absmask = _mm256_set1_epi32(0x7fffffff), tv = _mm256_set1_epi32((int32_t)t - 1);
+  uint32_t mk = 0;
+  for (int q = 0; q < 4; ++q) {
+    const __m256i k = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + 8 * q)), absmask);
+    mk |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, tv))) << (8 * q);
+  }
+  return mk;
+#else
+  uint32_t mk = 0;
+  for (int j = 0; j < 32; ++j) mk |= (uint32_t)(mag_key(x[j]) >= t) << j;
+  return mk;
+#endif
+}
+
+// Runs fn(part, p) on every part in parallel, each part's entries cleared first.
+template <typename Fn>
+void refill_parts(std::vector<Part>& parts, Fn fn) {
+  const int64_t P = (int64_t)parts.size();
+#pragma omp parallel for schedule(dynamic, 1) if (P > 1)
+  for (int64_t p = 0; p < P; ++p) {
+    parts[p].vals.clear();
+    parts[p].idx.clear();
+    fn(parts[p], p);
+  }
+}
+
 // One compacting pass with threshold key t: keeps every element with key >= t.
 // Stores at most `cap` entries per part; a part that passes `cap` stops early
 // (the total is then out of bounds anyway).
 void compact_ge(const float* x, std::vector<Part>& parts, uint32_t t, int64_t cap, double frac) {
-  const int64_t P = (int64_t)parts.size();
-#pragma omp parallel for schedule(dynamic, 1) if (P > 1)
-  for (int64_t p = 0; p < P; ++p) {
-    Part& part = parts[p];
-    part.vals.clear();
-    part.idx.clear();
+  refill_parts(parts, [&](Part& part, int64_t) {
     const int64_t len = part.hi - part.lo;
     const int64_t reserve = std::min<int64_t>(cap, (int64_t)(1.25 * frac * (double)len)) + 64;
     part.vals.resize((size_t)reserve);
@@ -213,14 +243,8 @@ void compact_ge(const float* x, std::vector<Part>& parts, uint32_t t, int64_t ca
     int64_t i = part.lo;
     const int64_t hi = part.hi;
     bool over = false;
-#if defined(__AVX512F__)
-    const __m512i absmask = _mm512_set1_epi32(0x7fffffff), tv = _mm512_set1_epi32((int32_t)t);
     for (; i + 32 <= hi; i += 32) {
-      const __mmask16 m0 =
-          _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_loadu_si512((const void*)(x + i)), absmask), tv);
-      const __mmask16 m1 =
-          _mm512_cmpge_epu32_mask(_mm512_and_si512(_mm512_loadu_si512((const void*)(x + i + 16)), absmask), tv);
-      const uint32_t mk = (uint32_t)m0 | ((uint32_t)m1 << 16);
+      const uint32_t mk = ge_mask32(x + i, t);
       if (mk) {
         keep_mask(part, c, x, i, mk);
         if ((int64_t)c > cap) {
@@ -229,35 +253,6 @@ void compact_ge(const float* x, std::vector<Part>& parts, uint32_t t, int64_t ca
         }
       }
     }
-#elif defined(__AVX2__)
-    const __m256i absmask = _mm256_set1_epi32(0x7fffffff), tv = _mm256_set1_epi32((int32_t)t - 1);  // t >= 1
-    for (; i + 32 <= hi; i += 32) {
-      uint32_t mk = 0;
-      for (int q = 0; q < 4; ++q) {
-        const __m256i k = _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + i + 8 * q)), absmask);
-        mk |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, tv))) << (8 * q);
-      }
-      if (mk) {
-        keep_mask(part, c, x, i, mk);
-        if ((int64_t)c > cap) {
-          over = true;
-          break;
-        }
-      }
-    }
-#else
-    for (; i + 32 <= hi; i += 32) {
-      uint32_t mk = 0;
-      for (int j = 0; j < 32; ++j) mk |= (uint32_t)(mag_key(x[i + j]) >= t) << j;
-      if (mk) {
-        keep_mask(part, c, x, i, mk);
-        if ((int64_t)c > cap) {
-          over = true;
-          break;
-        }
-      }
-    }
-#endif
     if (!over && i < hi) {  // tail (< 32 elements)
       uint32_t mk = 0;
       for (int64_t j = 0; j < hi - i; ++j) mk |= (uint32_t)(mag_key(x[i + j]) >= t) << j;
@@ -268,17 +263,12 @@ void compact_ge(const float* x, std::vector<Part>& parts, uint32_t t, int64_t ca
     part.idx.resize(c);
     part.overflow = over;
     part.count = (int64_t)c;
-  }
+  });
 }
 
 // Exact compaction: keeps key > t, and the first `tie_allow[p]` keys == t of each part.
 void compact_exact(const float* x, std::vector<Part>& parts, uint32_t t, const std::vector<int64_t>& tie_allow) {
-  const int64_t P = (int64_t)parts.size();
-#pragma omp parallel for schedule(dynamic, 1) if (P > 1)
-  for (int64_t p = 0; p < P; ++p) {
-    Part& part = parts[p];
-    part.vals.clear();
-    part.idx.clear();
+  refill_parts(parts, [&](Part& part, int64_t p) {
     int64_t allow = tie_allow[p];
     for (int64_t i = part.lo; i < part.hi; ++i) {
       const uint32_t k = mag_key(x[i]);
@@ -286,7 +276,7 @@ void compact_exact(const float* x, std::vector<Part>& parts, uint32_t t, const s
     }
     part.overflow = false;
     part.count = (int64_t)part.idx.size();
-  }
+  });
 }
 
 // Radix select of the k-th largest key (3 histogram passes). Returns the key and
@@ -438,6 +428,17 @@ void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor here, got ", t.device());
 }
 
+// The caller's ``out`` (checked: CPU, fp32, ``n`` elements) or a new fp32 tensor of ``n`` elements.
+at::Tensor float_output(const std::optional<at::Tensor>& out, int64_t n, const at::TensorOptions& opts,
+                        const char* op) {
+  if (!out.has_value()) return empty_output(n, opts.dtype(at::kFloat));
+  const at::Tensor& res = *out;
+  check_tensor(res, op, "out", at::kFloat);
+  check_cpu(res, op, "out");
+  TORCH_CHECK(res.numel() == n, op, ": out has ", res.numel(), " elements, expected ", n);
+  return res;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -483,15 +484,7 @@ at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales
   const int64_t nb = (n + block_size - 1) / block_size;
   TORCH_CHECK(scales.numel() == nb, op, ": scales has ", scales.numel(), " elements but ", n,
               " codes in blocks of ", block_size, " need ", nb, "; pass the block_size used by quantize_int8");
-  at::Tensor res;
-  if (out.has_value()) {
-    res = *out;
-    check_tensor(res, op, "out", at::kFloat);
-    check_cpu(res, op, "out");
-    TORCH_CHECK(res.numel() == n, op, ": out has ", res.numel(), " elements, expected ", n);
-  } else {
-    res = empty_output(n, scales.options());
-  }
+  at::Tensor res = float_output(out, n, scales.options(), op);
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op_ = res.data_ptr<float>();
@@ -555,15 +548,7 @@ at::Tensor densify_cpu(const at::Tensor& values, const at::Tensor& indices, int6
   }
   TORCH_CHECK(total == values.numel(), op, ": chunk_counts sum to ", total, " but there are ", values.numel(),
               " values");
-  at::Tensor res;
-  if (out.has_value()) {
-    res = *out;
-    check_tensor(res, op, "out", at::kFloat);
-    check_cpu(res, op, "out");
-    TORCH_CHECK(res.numel() == n, op, ": out has ", res.numel(), " elements, expected ", n);
-  } else {
-    res = empty_output(n, values.options().dtype(at::kFloat));
-  }
+  at::Tensor res = float_output(out, n, values.options(), op);
   float* dst = res.data_ptr<float>();
   const c10::Half* vp = values.data_ptr<at::Half>();
   const int32_t* ip = indices.data_ptr<int32_t>();

@@ -18,19 +18,9 @@ input never crashes the process.
 """
 from megatier.ops._native import limit_thread_parallelism, native_available, native_info
 from megatier.ops.adamw import adamw_replay, adamw_step
-from megatier.ops.codecs import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_RATIO,
-    DEFAULT_SAMPLE_SIZE,
-    DEFAULT_SMALL_THRESHOLD,
-    MODES,
-    TOPK_CHUNK_ELEMS,
-    TopK,
-    densify,
-    dequantize_int8,
-    quantize_int8,
-    sparsify_topk,
-)
+from megatier.ops.codecs import (DEFAULT_BLOCK_SIZE, DEFAULT_RATIO, DEFAULT_SAMPLE_SIZE, DEFAULT_SMALL_THRESHOLD,
+                                 MODES, TOPK_CHUNK_ELEMS, TopK, densify, dequantize_int8, quantize_int8,
+                                 sparsify_topk)
 from megatier.ops.compression import compress_segments, decompress_segments
 from megatier.ops.records import RECORD_FORMAT, CompressedRecord, pack_records, unpack_records
 from megatier.ops.reference import adamw_scalars
