@@ -15,6 +15,10 @@ from megatier.training.trainer import Trainer
 
 register_configs()
 
+# Exit statuses: 0 trained (every checkpoint durable), 2 config error, 3 trained but Tier-3 stayed behind
+# (the newest checkpoints are only in node memory), anything else a failure.
+EXIT_CONFIG_ERROR, EXIT_TIER3_BEHIND = 2, 3
+
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(dict_cfg: DictConfig) -> None:
@@ -23,7 +27,7 @@ def main(dict_cfg: DictConfig) -> None:
         trainer = Trainer(cfg)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG_ERROR)
     trainer.train()
     summary = trainer.close()
     if trainer.ps.rank == 0:
@@ -32,6 +36,10 @@ def main(dict_cfg: DictConfig) -> None:
         print(f"metrics: {trainer.logger.path}")
         if trainer.logger.wandb_dir:
             print(f"wandb ({cfg.logging.wandb.mode}): {trainer.logger.wandb_dir}")
+    if summary.get("checkpoint_behind"):
+        print(f"checkpoints: Tier-3 is {summary['checkpoint_units_behind']} units behind; the last durable version is "
+              f"{summary['checkpoint_durable_step']} (see the warning above)", file=sys.stderr)
+        sys.exit(EXIT_TIER3_BEHIND)
 
 
 if __name__ == "__main__":

@@ -65,3 +65,17 @@ class FlakyStore(ObjectStore):
         self.inner.check()
 
 
+
+
+class DownAfter(FlakyStore):
+    """Delegates to ``inner`` for the first ``ok_writes`` writes, then fails every write as a down endpoint would."""
+
+    def __init__(self, inner: ObjectStore, ok_writes: int):
+        super().__init__(inner, 0)
+        self.ok = ok_writes
+
+    def _maybe_fail(self, key: str) -> None:
+        with self.lock:
+            self.ok -= 1
+            if self.ok < 0:
+                raise TransientStoreError(f"injected outage writing {key}")

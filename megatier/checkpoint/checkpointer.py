@@ -13,7 +13,7 @@ The Trainer knows three calls and nothing else:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
@@ -33,8 +33,9 @@ class Checkpointer(Protocol):
     def after_step(self, step: int) -> dict:
         """Checkpoint work after optimizer step ``step``; returns metrics for the step's record."""
 
-    def close(self) -> None:
-        """Finish what is in flight; collective where the checkpointer's work is."""
+    def close(self) -> Optional[dict]:
+        """Finish what is in flight (collective where the checkpointer's work is); the final status, merged into
+        the run's summary record (for the tiered checkpointer: ``checkpoint_behind`` and the durable step)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class TrainState:
     model: nn.Module
     optimizer: Any  # DistributedAdamW
     global_batch_size: int
+    fingerprint: dict = field(default_factory=dict)  # megatier.config.fingerprint.state_fingerprint
 
 
 CheckpointerFactory = Callable[[TrainState], Checkpointer]
@@ -54,5 +56,6 @@ def build_checkpointer(cfg: CheckpointConfig, state: TrainState, *, timeout_s: f
                        fault: Optional[FaultInjector] = None, remote_store: Optional[ObjectStore] = None
                        ) -> CheckpointManager:
     """The tiered checkpointer of ``cfg`` for this rank (collective: every rank calls it); see build_context."""
-    ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store)
+    ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store,
+                        fingerprint=state.fingerprint)
     return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size))

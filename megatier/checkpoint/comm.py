@@ -7,19 +7,36 @@ cascade) and a barrier (close). :class:`GroupComm` runs them on gloo groups
 with the job's timeout; :class:`SoloComm` is a world of one, so the policy and
 the recovery path can be tested with in-memory tiers and no process group.
 
-Every wait is bounded (the group's timeout); a transfer that does not complete
-names the peer rank and the timeout.
+Every wait is bounded (the group's timeout). A collective that does not
+complete names what it was (the caller's ``what``: operation and step) and the
+ranks that never reached it: before each collective a rank marks its arrival
+on the job's rendezvous store, so the ranks that did arrive can tell which did
+not (a stopped, hung or dead process). A transfer that does not complete names
+the peer rank and the timeout.
 """
 from __future__ import annotations
 
 import abc
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 
 _TAG_HDR, _TAG_DATA = 0x7301, 0x7302
+T = TypeVar("T")
+
+
+def _default_store() -> Optional[dist.Store]:
+    """The job's rendezvous store (the arrival board), where torch exposes it."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # a private accessor: without it, timeouts just cannot name the absent ranks
+        return None
+
+
+class CheckpointTimeout(RuntimeError):
+    """A checkpoint collective or transfer did not complete; the message names the operation and the ranks."""
 
 
 class CheckpointComm(abc.ABC):
@@ -29,11 +46,11 @@ class CheckpointComm(abc.ABC):
     world_size: int
 
     @abc.abstractmethod
-    def gather(self, item: Any) -> list:
-        """Every rank's ``item`` (picklable), in rank order, on every rank."""
+    def gather(self, item: Any, what: str = "a checkpoint collective") -> list:
+        """Every rank's ``item`` (picklable), in rank order, on every rank; ``what`` names it in errors."""
 
     @abc.abstractmethod
-    def gather_ints(self, values: list[int]) -> list[list[int]]:
+    def gather_ints(self, values: list[int], what: str = "a checkpoint collective") -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), in rank order, on every rank."""
 
     @abc.abstractmethod
@@ -45,29 +62,57 @@ class CheckpointComm(abc.ABC):
         """The bytes ``src`` sends (None when it had nothing)."""
 
     @abc.abstractmethod
-    def barrier(self) -> None:
+    def barrier(self, what: str = "a checkpoint barrier") -> None:
         """Wait until every rank got here."""
 
 
 class GroupComm(CheckpointComm):
     """Collectives on ``control_group``, transfers on ``transfer_group``; both gloo, every wait bounded."""
 
-    def __init__(self, control_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup, timeout_s: float):
+    def __init__(self, control_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup, timeout_s: float,
+                 board: Optional[dist.Store] = None):
         self.control = control_group
         self.transfer = transfer_group
         self.timeout_s = timeout_s
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.board = board if board is not None else _default_store()
+        self._seq = 0
 
-    def gather(self, item: Any) -> list:
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, item, group=self.control)
+    def _key(self, seq: int, rank: int) -> str:
+        return f"megatier/ckpt/{seq}/{rank}"
+
+    def _collective(self, what: str, run: Callable[[], T]) -> T:
+        """``run`` a collective, first marking this rank's arrival; on failure, name who never arrived."""
+        self._seq += 1
+        if self.board is not None:
+            self.board.set(self._key(self._seq, self.rank), b"1")
+        try:
+            out = run()
+        except Exception as e:  # gloo's timeout, or the connection of a peer that died
+            raise CheckpointTimeout(f"{what} did not complete on rank {self.rank} within {self.timeout_s:g} s: "
+                                    f"{self._absent(self._seq)} ({type(e).__name__}: {e})") from e
+        if self.board is not None and self._seq > 1:
+            self.board.delete_key(self._key(self._seq - 1, self.rank))
         return out
 
-    def gather_ints(self, values: list[int]) -> list[list[int]]:
+    def _absent(self, seq: int) -> str:
+        if self.board is None:
+            return "a rank may be stopped, hung or dead"
+        missing = [r for r in range(self.world_size) if not self.board.check([self._key(seq, r)])]
+        if not missing:
+            return "every rank reached it, so the link to one failed"
+        return f"ranks {missing} never reached it (stopped, hung or dead)"
+
+    def gather(self, item: Any, what: str = "a checkpoint collective") -> list:
+        out: list = [None] * self.world_size
+        self._collective(what, lambda: dist.all_gather_object(out, item, group=self.control))
+        return out
+
+    def gather_ints(self, values: list[int], what: str = "a checkpoint collective") -> list[list[int]]:
         mine = torch.tensor(values, dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(rows, mine, group=self.control)
+        self._collective(what, lambda: dist.all_gather(rows, mine, group=self.control))
         return [row.tolist() for row in rows]
 
     def send(self, data: Optional[bytes], dst: int) -> None:
@@ -88,12 +133,16 @@ class GroupComm(CheckpointComm):
             self._wait(dist.irecv(buf, src=src, group=self.transfer, tag=_TAG_DATA), src)
         return buf.numpy().tobytes()
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.control)
+    def barrier(self, what: str = "a checkpoint barrier") -> None:
+        self._collective(what, lambda: dist.barrier(group=self.control))
 
     def _wait(self, work, peer: int) -> None:
-        if work.wait(timedelta(seconds=self.timeout_s)) is False:
-            raise TimeoutError(f"no completion from rank {peer} within {self.timeout_s:g} s; it may have died")
+        try:
+            done = work.wait(timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            raise CheckpointTimeout(f"transfer with rank {peer} failed: {e}; it may have died") from e
+        if done is False:
+            raise CheckpointTimeout(f"no completion from rank {peer} within {self.timeout_s:g} s; it may have died")
 
 
 class SoloComm(CheckpointComm):
@@ -101,10 +150,10 @@ class SoloComm(CheckpointComm):
 
     rank, world_size = 0, 1
 
-    def gather(self, item: Any) -> list:
+    def gather(self, item: Any, what: str = "") -> list:
         return [item]
 
-    def gather_ints(self, values: list[int]) -> list[list[int]]:
+    def gather_ints(self, values: list[int], what: str = "") -> list[list[int]]:
         return [list(values)]
 
     def send(self, data: Optional[bytes], dst: int) -> None:
@@ -113,5 +162,5 @@ class SoloComm(CheckpointComm):
     def recv(self, src: int) -> Optional[bytes]:
         raise RuntimeError(f"a world of one has no rank {src} to receive from")
 
-    def barrier(self) -> None:
+    def barrier(self, what: str = "") -> None:
         pass

@@ -25,6 +25,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from megatier.checkpoint.comm import CheckpointComm, GroupComm
+from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
 from megatier.checkpoint.tiers.base import Tier
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
@@ -33,6 +34,7 @@ from megatier.checkpoint.tiers.remote import RemoteTier, open_remote_store
 from megatier.checkpoint.tiers.replicator import PeerReplicator
 from megatier.checkpoint.tiers.store import ObjectStore
 from megatier.config import CheckpointConfig
+from megatier.config.fingerprint import fingerprint_hash
 from megatier.faults import FaultHook, FaultInjector, no_faults
 from megatier.parallel.layout import Layout
 
@@ -48,32 +50,47 @@ class CheckpointContext:
     comm: CheckpointComm
     fault: FaultHook = no_faults
     timeout_s: float = 600.0
+    fingerprint: dict = field(default_factory=dict)  # megatier.config.fingerprint.state_fingerprint of the run
+    fingerprint_id: str = field(init=False)
     job_id: str = field(init=False)
     rank: int = field(init=False)
     world_size: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.job_id, self.rank, self.world_size = self.cfg.job_id, self.layout.rank, self.layout.world_size
+        self.fingerprint_id = fingerprint_hash(self.fingerprint)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the tiers (their threads, the Tier-3 lease) of a context used without a manager (tools, tests)."""
+        for tier in self.tiers:
+            tier.close(timeout)
 
 
-def _agree_on_start(store: Optional[ObjectStore], url: str, comm: CheckpointComm) -> str:
-    """Rank 0 checks Tier-3 and mints the launch's incarnation token; every rank learns both or fails."""
+def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig,
+                  comm: CheckpointComm) -> tuple[str, Optional[OwnerLease]]:
+    """Rank 0 checks Tier-3, takes the owner lease and mints the launch's incarnation token; every rank learns
+    the token, or the one-line reason it cannot start."""
     verdict: list = [None, None]
+    lease = None
     if comm.rank == 0:
         verdict[1] = f"{uuid.uuid4().hex[:12]}{secrets.token_hex(2)}"
         if store is not None:
             try:
                 store.check()
+                lease = OwnerLease(store, verdict[1], cfg.remote.lease_s)
+                lease.acquire()
+            except LeaseHeld as e:
+                verdict[0] = str(e)
             except Exception as e:  # any failure here must reach every rank, not only rank 0
-                verdict[0] = f"checkpoint.remote.url={url!r} is not usable: {e}"
-    error, incarnation = comm.gather(verdict)[0]
+                verdict[0] = f"checkpoint.remote.url={cfg.remote.url!r} is not usable: {e}"
+    error, incarnation = comm.gather(verdict, what="checkpoint start-up")[0]
     if error is not None:
         raise RuntimeError(error)
-    return incarnation
+    return incarnation, lease
 
 
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
-                  remote_store: Optional[ObjectStore] = None) -> CheckpointContext:
+                  remote_store: Optional[ObjectStore] = None, fingerprint: Optional[dict] = None) -> CheckpointContext:
     """Open the tiers of ``cfg`` (already validated and made effective for this topology) on every rank.
 
     ``ps`` is the job's ParallelState. Unreachable or unwritable tiers fail here,
@@ -90,7 +107,7 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     if "remote" in cfg.tiers and store is None:
         store = open_remote_store(cfg.remote.url, cfg.job_id, endpoint_url=cfg.remote.endpoint_url,
                                   fsync=cfg.remote.fsync)
-    incarnation = _agree_on_start(store, cfg.remote.url, comm)
+    incarnation, lease = _start_remote(store, cfg, comm)
     tiers: list[Tier] = []
     if "local" in cfg.tiers:
         memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
@@ -104,5 +121,6 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
             tiers.append(PeerTier(memory, replicator, fault=fault))
     if store is not None:
         tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
-                                incarnation=incarnation, keep_bases=cfg.remote.keep_bases, fault=fault))
-    return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s)
+                                incarnation=incarnation, keep_bases=cfg.remote.keep_bases,
+                                drain_timeout_s=cfg.remote.drain_timeout_s, lease=lease, fault=fault))
+    return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s, dict(fingerprint or {}))

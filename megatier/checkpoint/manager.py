@@ -87,7 +87,7 @@ class CheckpointManager:
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = 0.0
         self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in ctx.tiers if not t.lockstep],
-                                 keep_for_loop=bool(self._lockstep), inline=inline)
+                                 keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -97,10 +97,16 @@ class CheckpointManager:
         Must run before the first after_step: recovery uses the transfer group
         that the Tier-2 replicator's thread takes over from its first tick.
         """
-        result = recover(self.ctx, self.shard, allow_fresh_start=self.cfg.allow_fresh_start)
+        try:
+            result = recover(self.ctx, self.shard, allow_fresh_start=self.cfg.allow_fresh_start)
+        except BaseException:
+            self.ctx.close()  # this launch will write nothing: stop the tiers, give up the Tier-3 lease
+            raise
         start, record = (result.end, result.record) if result is not None else (0, None)
         for tier in self.ctx.tiers:
+            tier.record_config(self.ctx.fingerprint_id, self.ctx.fingerprint)
             tier.start()
+        self._repair(record["quarantined"] if record else [])
         # Re-base at the resume point: every tier gets a fresh anchor (a replaced node's
         # Tier-1 is empty), and the diff batches that follow are aligned to it.
         self.anchor = start
@@ -108,6 +114,18 @@ class CheckpointManager:
         self._handoff = [PayloadId.base(start)]
         self._step = start
         return start, record
+
+    def _repair(self, quarantined: list[str]) -> None:
+        """Offer every tier this rank's surviving copy of each unit restore quarantined (a tier that set one
+        aside stores it again; once every rank's copy is back, Tier-3 commits it anew)."""
+        for name in quarantined:
+            pid = PayloadId.parse(name)
+            payload = next((p for t in self.ctx.tiers if (p := t.own_copy(pid)) is not None), None)
+            if payload is None:
+                log.warning("rank %d has no surviving copy of quarantined %s to re-upload", self.ctx.rank, pid)
+                continue
+            for tier in self.ctx.tiers:
+                tier.repair(payload)
 
     # ---- every step --------------------------------------------------------------------------
 
@@ -177,7 +195,8 @@ class CheckpointManager:
         tiers = self.ctx.tiers
         durable = max((b for t in tiers if (b := t.durable_base()) is not None), default=None)
         mine = [p if (p := t.point()) is not None else _NONE for t in tiers]
-        rows = self.ctx.comm.gather_ints(mine + [durable if durable is not None else _NONE])
+        rows = self.ctx.comm.gather_ints(mine + [durable if durable is not None else _NONE],
+                                         what=f"the checkpoint watermark sync after step {step}")
         columns = {t.label: [row[i] for row in rows] for i, t in enumerate(tiers)}
         self._last = recovery_points(columns, step)
         for tier in tiers:
@@ -198,8 +217,12 @@ class CheckpointManager:
         out.update(self._last)
         return out
 
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Drain: finish serializing, hand the last units over, move them, final commit (collective)."""
+    def close(self, timeout: Optional[float] = None) -> dict:
+        """Drain: finish serializing, hand the last units over, move them, final commit (collective).
+
+        Tier-3 gets at most ``checkpoint.remote.drain_timeout_s``; returns the final status
+        (:meth:`_final_status`), which says loudly when Tier-3 stayed behind.
+        """
         timeout = timeout if timeout is not None else self.ctx.timeout_s
         self.worker.flush(timeout)
         # Same step on every rank, so the ring's final transfers pair up.
@@ -209,6 +232,29 @@ class CheckpointManager:
             tier.drain(self._step + 1, timeout)
         self.worker.close(timeout)
         # Every rank's units are out (Tier-3: markers written) before the final commit round.
-        self.ctx.comm.barrier()
+        self.ctx.comm.barrier(what=f"the checkpoint drain at exit (after step {self._step})")
         for tier in self.ctx.tiers:
             tier.close(timeout)
+        return self._final_status()
+
+    def _final_status(self) -> dict:
+        """Where the run's checkpoints stand at exit; the same on every rank (one gather)."""
+        tiers = {t.label: t for t in self.ctx.tiers}
+        batch = self.cfg.diff.batch
+        saved = self.anchor + (self._step - self.anchor) // batch * batch  # the newest unit every rank closed
+        rack = tiers[TIER3].point() if TIER3 in tiers else None
+        rows = self.ctx.comm.gather({"behind": sum(t.behind() for t in self.ctx.tiers), "rack": rack},
+                                    what="the final checkpoint status")
+        status = {"checkpoint_saved_step": saved, "checkpoint_durable_step": rows[0]["rack"],
+                  "checkpoint_units_behind": sum(r["behind"] for r in rows), "checkpoint_behind": False}
+        if TIER3 in tiers:
+            durable = status["checkpoint_durable_step"]
+            status["checkpoint_behind"] = durable is None or durable < saved or status["checkpoint_units_behind"] > 0
+        if status["checkpoint_behind"] and self.ctx.rank == 0:
+            memory = [t.where() for t in self.ctx.tiers if t.label != TIER3]
+            log.warning("%s is %d units behind at exit: the last durable version is %s (a rack failure resumes "
+                        "there), the job saved through step %d; the newer units remain only in %s, from which a "
+                        "relaunch recovers and then uploads a fresh base", tiers[TIER3].where(),
+                        status["checkpoint_units_behind"], f"v{durable}" if durable is not None else "none",
+                        saved, ", ".join(memory) or "no other tier")
+        return status

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -82,15 +83,17 @@ class Job:
         return os.path.join(self.tier1_root, node)
 
 
-def make_job(work: str, user_overrides: list[str]) -> Job:
-    """The job's overrides (drill directories first, the user's win) and the resolved config."""
+def make_job(work: str, user_overrides: list[str], *, isolated: bool = False) -> Job:
+    """The job's overrides and the resolved config: the drill's directories first and the user's win, or with
+    ``isolated`` (the fault-free reference) the drill's directories and job id last, so the reference never
+    shares a tier with the drilled run whatever the user overrides."""
     from megatier.config import compose_config
 
     ours = [f"checkpoint.local.root={work}/shm", f"checkpoint.remote.url={work}/remote",
-            f"logging.run_dir={work}/run", "checkpoint.job_id=drill", "logging.progress=false"]
-    if not any(o.lstrip("+~").startswith("checkpoint=") for o in user_overrides):
-        ours.insert(0, "checkpoint=tiered")
-    overrides = ours + list(user_overrides)
+            f"logging.run_dir={work}/run", f"checkpoint.job_id={'reference' if isolated else 'drill'}",
+            "logging.progress=false"]
+    preset = [] if any(o.lstrip("+~").startswith("checkpoint=") for o in user_overrides) else ["checkpoint=tiered"]
+    overrides = preset + (list(user_overrides) + ours if isolated else ours + list(user_overrides))
     cfg = compose_config(overrides)
     c = cfg.checkpoint
     if not c.enabled:
@@ -120,6 +123,22 @@ def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None) -> in
             os.dup2(saved[1], 2)
             os.close(saved[0])
             os.close(saved[1])
+
+
+_ERROR_LINE = re.compile(r"^(config error: .*|\S*(Error|Exception): .*)$")
+
+
+def first_error(log_path: str) -> str:
+    """The first error line of a launch's log (e.g. "config error: ..."), or a note that there is none."""
+    try:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                line = re.sub(r"^\[(default)?\d+\]:", "", line.strip()).strip()  # torchrun's rank prefixes
+                if _ERROR_LINE.match(line):
+                    return line
+    except OSError:
+        return "no log"
+    return "no error line in its log"
 
 
 def read_metrics(job: Job) -> list[dict]:
@@ -167,8 +186,9 @@ def run_drill(args, job: Job) -> tuple[list[Recovery], list[dict], int]:
         last = [r["step"] for r in read_metrics(job) if "loss" in r and r.get("event") is None]
         rec = Recovery(at_step, status)
         if status == 0 or not last or last[-1] != at_step:
+            log_path = os.path.join(job.work, f"launch{k}-fail-at-{at_step}.log")
             rec.problems.append(f"launch {k} was to die at step {at_step} but exited {status} with its last "
-                                f"logged step {last[-1] if last else None}; see {job.work}/launch{k}-*.log")
+                                f"logged step {last[-1] if last else None}: {first_error(log_path)}; see {log_path}")
         recoveries.append(rec)
         if recoveries[-1].problems:
             return recoveries, read_metrics(job), status
@@ -194,13 +214,13 @@ def _summary(records: list[dict]) -> dict:
 
 def run_reference(args, job_overrides: list[str]) -> dict:
     """The same job without a failure, in its own directories; returns its summary record."""
-    ref = make_job(os.path.join(args.work_dir, "reference"), job_overrides)
+    ref = make_job(os.path.join(args.work_dir, "reference"), job_overrides, isolated=True)
     os.makedirs(ref.work, exist_ok=True)
     status = launch(args, ref, "reference")
     summary = _summary(read_metrics(ref))
     if status != 0 or not summary:
-        raise SystemExit(f"failure_drill: the fault-free reference run failed (exit {status}); see {ref.work}/"
-                         f"reference.log")
+        raise SystemExit(f"failure_drill: the fault-free reference run failed (exit {status}): "
+                         f"{first_error(os.path.join(ref.work, 'reference.log'))}; see {ref.work}/reference.log")
     return summary
 
 

@@ -112,8 +112,9 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
         lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
     if reference is not None:
         same = reference.get("state_digest") == final.get("state_digest")
-        rel = abs(final.get("loss", 0.0) - reference["loss"]) / abs(reference["loss"])
-        lines.append(f"  compare: fault-free loss {reference['loss']:.6f} val_loss {_fmt(reference.get('val_loss'))} "
+        ref_loss = reference.get("loss", float("nan"))  # a reference that trained no step has none
+        rel = abs(final.get("loss", 0.0) - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
+        lines.append(f"  compare: fault-free loss {ref_loss:.6f} val_loss {_fmt(reference.get('val_loss'))} "
                      f"state_digest {reference['state_digest']} -> {'bit-identical' if same else 'different'}; "
                      f"final loss differs by {100 * rel:.4f}%" + _val_delta(final, reference))
     lines += [f"  FAILED CHECK: {p}" for p in problems]

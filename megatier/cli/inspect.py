@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatier.checkpoint.commit.reader import RemoteReader
-from megatier.checkpoint.commit.records import CommitError, DoneMarker, list_units, marker_key
+from megatier.checkpoint.commit.records import QUARANTINE, CommitError, DoneMarker, list_units, marker_key
 from megatier.checkpoint.format.payload import PayloadError, verify_payload
+from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
@@ -109,6 +110,25 @@ def inspect_remote(store: ObjectStore, job_id: str) -> list[Row]:
             if problem is not None:
                 row.status, row.ok = f"FAILED: {problem}", False
         rows.append(row)
+    return rows + inspect_quarantine(store)
+
+
+def inspect_quarantine(store: ObjectStore) -> list[Row]:
+    """Rows for every unit set aside under ``_quarantine/`` (corrupt when a restore read it; never loaded)."""
+    groups: dict[str, dict[str, int]] = {}
+    for key, size in store.list(QUARANTINE).items():
+        head, _, name = key[len(QUARANTINE):].rpartition("/")
+        groups.setdefault(head, {})[name] = size
+    rows = []
+    for head, objects in sorted(groups.items()):
+        dirname, _, when = head.rpartition("/")
+        pid = PayloadId.from_dirname(dirname)
+        try:
+            reason = store.get(f"{QUARANTINE}{head}/REASON").decode(errors="replace")
+        except StoreError:
+            reason = "no reason recorded"
+        rows.append(Row("Tier-3", f"{store.url} quarantine", "-", str(pid) if pid else dirname,
+                        sum(objects.values()), "-", f"quarantined {when}: {reason} (never loaded)"))
     return rows
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tempfile
 import warnings
 from typing import Optional
 from urllib.parse import urlparse
 
-from megatier.config.schema import CheckpointConfig
+from megatier.config.schema import CheckpointConfig, ConfigError
 from megatier.config.schema import require as _require
 
 TIERS = ("local", "peer", "remote")
@@ -80,9 +81,15 @@ def _nearest_existing(path: str) -> str:
 def _check_local_root(root: str) -> None:
     _require(bool(root), "checkpoint.local.root is empty; set it to a RAM-backed directory such as /dev/shm/megatier")
     existing = _nearest_existing(root)
+    fix = "point local.root at a writable RAM-backed directory (a tmpfs mount such as /dev/shm)"
     _require(os.path.isdir(existing) and os.access(existing, os.W_OK | os.X_OK),
-             f"checkpoint.local.root={root!r}: {existing} is not a writable directory; point local.root at a "
-             f"writable RAM-backed directory (a tmpfs mount such as /dev/shm)")
+             f"checkpoint.local.root={root!r}: {existing} is not a writable directory; {fix}")
+    try:  # permissions can pass where files still cannot be made (/proc, a read-only mount): try one
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".megatier-probe-"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"checkpoint.local.root={root!r}: cannot create a file in {existing} "
+                          f"({e.strerror or e}); {fix}") from e
 
 
 def check_remote_url(url: str, endpoint_url: Optional[str]) -> None:
@@ -106,6 +113,17 @@ def check_remote_url(url: str, endpoint_url: Optional[str]) -> None:
                  f"checkpoint.remote.endpoint_url={endpoint_url!r} must look like http://host:port or https://host")
 
 
+def _check_allow_changes(keys: list[str]) -> None:
+    from megatier.config.fingerprint import state_fingerprint  # the keys a fingerprint has
+    from megatier.config.schema import Config
+
+    known = set(state_fingerprint(Config(), ""))
+    for key in keys:
+        _require(key == "*" or key in known,
+                 f"checkpoint.allow_changes has {key!r}, which is not part of the config fingerprint; use keys such "
+                 f"as optim.lr or train.seed (see megatier/config/fingerprint.py), or '*' for any change")
+
+
 def check_checkpoint_config(cfg: CheckpointConfig) -> None:
     """Raise ConfigError naming the field and what to do unless ``cfg`` can work (disabled: always fine)."""
     if not cfg.enabled:
@@ -115,10 +133,14 @@ def check_checkpoint_config(cfg: CheckpointConfig) -> None:
              f"(at most 128, starting with a letter or digit)")
     _check_tiers(cfg)
     _check_streams(cfg)
+    _check_allow_changes(cfg.allow_changes)
     if "local" in cfg.tiers:
         _check_local_root(cfg.local.root)
     if "remote" in cfg.tiers:
         check_remote_url(cfg.remote.url, cfg.remote.endpoint_url)
+        _require(cfg.remote.lease_s >= 1, f"checkpoint.remote.lease_s={cfg.remote.lease_s} must be >= 1")
+        _require(cfg.remote.drain_timeout_s > 0,
+                 f"checkpoint.remote.drain_timeout_s={cfg.remote.drain_timeout_s} must be positive")
         _require(cfg.remote.keep_bases >= 1, f"checkpoint.remote.keep_bases={cfg.remote.keep_bases} must be >= 1; "
                                              f"the recovery point needs at least one base")
 

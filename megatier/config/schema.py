@@ -147,6 +147,11 @@ class RemoteTierConfig:
     # machine that wrote it). False for a file system that is durable on close (NFS, Lustre) or to match
     # baselines that do not fsync either; S3 ignores it.
     fsync: bool = True
+    # At exit, how long to wait for Tier-3 uploads and the final commit before reporting what is behind.
+    drain_timeout_s: float = 120.0
+    # Rank 0 holds a lease on the job's Tier-3 prefix, renewed every lease_s / 3: a second live run of the
+    # job refuses to start; a relaunch after a crash waits out the rest of the dead run's lease.
+    lease_s: float = 15.0
 
 
 @dataclass
@@ -168,6 +173,9 @@ class CheckpointConfig:
     # With traces of this job in some tier but no complete base for every rank, start from step 0
     # instead of stopping with an error (a first launch, with no traces at all, always starts fresh).
     allow_fresh_start: bool = False
+    # Config keys a relaunch may change and still resume this job's checkpoints (e.g. [optim.lr]);
+    # ["*"] accepts any change. Others are refused, naming the keys (megatier.config.fingerprint).
+    allow_changes: list[str] = field(default_factory=list)
 
 
 @dataclass

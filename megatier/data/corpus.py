@@ -11,7 +11,7 @@ import os
 import sysconfig
 from typing import Iterator, Optional
 
-from megatier.data.indexed import IndexedDatasetWriter
+from megatier.data.indexed import IndexedDatasetWriter, read_index
 from megatier.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "__pycache__", "lib2to3", "turtledemo"}
@@ -107,11 +107,19 @@ def default_corpus_prefix(cache_dir: Optional[str], tokenizer: str, mib: float, 
 def ensure_default_corpus(cache_dir: Optional[str], tokenizer: str, mib: float, bpe_vocab_size: int) -> str:
     """Build the default corpus once (idempotent); returns its prefix."""
     prefix = default_corpus_prefix(cache_dir, tokenizer, mib, bpe_vocab_size)
-    if os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin"):
+    if os.path.isfile(prefix + ".idx") and os.path.isfile(prefix + ".bin") and _has_checksum(prefix):
         return prefix
     files = stdlib_files(int(mib * 2**20))
     build_dataset(files, prefix, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size)
     return prefix
+
+
+def _has_checksum(prefix: str) -> bool:
+    """Whether the corpus at ``prefix`` records its checksum (corpora built before it did are rebuilt)."""
+    try:
+        return "bin_xxh64" in read_index(prefix + ".idx")[1]
+    except (OSError, ValueError):
+        return False
 
 
 def tokenizer_of(metadata: dict):

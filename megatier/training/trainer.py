@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
 from megatier.config import Config, effective_checkpoint_config, validate
+from megatier.config.fingerprint import state_fingerprint
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
@@ -96,7 +97,8 @@ class Trainer:
             dist.broadcast_object_list(holder, src=0, group=self.ps.checkpoint_group)
             prefix = holder[0]
         self.data_prefix = prefix
-        dataset = IndexedDataset(prefix)
+        dataset = IndexedDataset(prefix, cache_dir=d.cache_dir)
+        self.data_checksum = dataset.checksum
         self.dataset_meta = dataset.metadata
         samples = GPTSamples(dataset, d.seq_len, d.val_fraction)
         t = self.cfg.train
@@ -137,7 +139,8 @@ class Trainer:
                                           schedule=schedule, scaler=scaler)
 
     def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
-        state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size)
+        state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size,
+                           state_fingerprint(self.cfg, self.data_checksum))
         if factory is not None:
             return factory(state)
         if not self.cfg.checkpoint.enabled:
@@ -252,10 +255,9 @@ class Trainer:
 
     def close(self) -> dict:
         """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups."""
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        status = self.checkpointer.close() if self.checkpointer is not None else None
         digest = self.state_digest()
-        summary = {"step": self.step, "event": "summary", "state_digest": digest}
+        summary = {"step": self.step, "event": "summary", "state_digest": digest, **(status or {})}
         last = getattr(self, "last_record", None)
         if last is not None:
             summary.update(loss=last["loss"], val_loss=last.get("val_loss"))

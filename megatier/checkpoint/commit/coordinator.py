@@ -62,6 +62,7 @@ class Coordinator:
         self._watermark: Optional[int] = None
         self._reclaimed_at: Optional[int] = None
         self.last_error: Optional[str] = None
+        self._reported_at = 0.0
         self._thread = helper_thread(self._run, "megatier-t3-coordinator")
 
     def start(self) -> "Coordinator":
@@ -110,18 +111,23 @@ class Coordinator:
                 log.info("Tier-3 reclaimed %d units behind watermark %d", len(doomed), watermark)
             self._reclaimed_at = watermark
 
+    def _report(self, message: str, error: str) -> None:
+        """Log a failure when it is new, and at most once a minute while it lasts."""
+        now = time.monotonic()
+        if error != self.last_error or now - self._reported_at > 60.0:
+            log.warning("%s", message)
+            self._reported_at = now
+        self.last_error = error
+
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
                 self.poll_once()
                 self.last_error = None
             except StoreError as e:
-                if self.last_error is None:
-                    log.warning("Tier-3 commit/reclaim at %s failed, retrying: %s", self.store.url, e)
-                self.last_error = str(e)
+                self._report(f"Tier-3 commit/reclaim at {self.store.url} failed, retrying: {e}", str(e))
             except Exception as e:  # a corrupt marker from another job, etc.: keep training, say why
-                log.error("Tier-3 coordinator error (commits paused until it clears): %r", e)
-                self.last_error = repr(e)
+                self._report(f"Tier-3 coordinator error (commits paused until it clears): {e!r}", repr(e))
             self._wake.wait(self.poll_s)
             self._wake.clear()
 
@@ -129,8 +135,9 @@ class Coordinator:
         """Stop the thread, then commit once more so units completed at the end are not left pending."""
         self._stop.set()
         self._wake.set()
-        if self._thread.ident is not None:
-            self._thread.join(timeout)
+        if self._thread.ident is None:
+            return  # never started: this launch committed nothing
+        self._thread.join(timeout)
         deadline = time.monotonic() + timeout
         while True:
             try:

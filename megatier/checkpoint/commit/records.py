@@ -160,3 +160,17 @@ def delete_unit(store: ObjectStore, keys: list[str]) -> None:
     then payloads (a crash in between leaves an uncommitted unit, never a commit naming missing bytes)."""
     for key in sorted(keys, key=_deletion_order):
         store.delete(key)
+
+
+QUARANTINE = "_quarantine/"
+
+
+def quarantine_unit(store: ObjectStore, pid: PayloadId, keys: list[str], reason: str, when: str) -> str:
+    """Move one unit's objects aside to ``_quarantine/<unit>/<when>/`` (``_COMMITTED`` first, so it stops being
+    a recovery source before anything else moves) with a ``REASON`` note; returns the quarantine prefix."""
+    dest = f"{QUARANTINE}{pid.dirname}/{when}/"
+    store.put(f"{dest}REASON", reason.encode())
+    for key in sorted(keys, key=_deletion_order):
+        store.put(dest + key.rpartition("/")[2], store.get(key))
+        store.delete(key)
+    return dest

@@ -76,13 +76,14 @@ class JsonRecord:
 
 @dataclass(frozen=True)
 class Stamp(JsonRecord):
-    """What is stored beside a payload: its unit, size, xxh64, job id and layout."""
+    """What is stored beside a payload: its unit, size, xxh64, job id, layout and config fingerprint."""
 
     pid: PayloadId
     size: int
     xxh64: str
     job_id: str
     layout: Layout
+    fingerprint: str = ""  # fingerprint_hash of the config that wrote it ("": written without one)
     json_errors = ("stamp", PayloadError, "the copy is unusable, delete it or recover from another tier")
 
     @property
@@ -91,7 +92,7 @@ class Stamp(JsonRecord):
 
     def to_dict(self) -> dict:
         return {"format": FORMAT, **self.pid.to_dict(), "size": self.size, "xxh64": self.xxh64,
-                "job_id": self.job_id, "layout": self.layout.to_dict()}
+                "job_id": self.job_id, "layout": self.layout.to_dict(), "fingerprint": self.fingerprint}
 
     @classmethod
     def from_dict(cls, d: dict, source: str) -> "Stamp":
@@ -100,7 +101,7 @@ class Stamp(JsonRecord):
                 raise PayloadError(f"{source}: stamp format {d['format']} is not {FORMAT}; it was written by "
                                    f"another MegaTier version")
             return cls(PayloadId.from_dict(d), int(d["size"]), str(d["xxh64"]), str(d["job_id"]),
-                       Layout.from_dict(d["layout"]))
+                       Layout.from_dict(d["layout"]), str(d.get("fingerprint", "")))
         except (KeyError, TypeError, ValueError) as e:
             raise PayloadError(f"{source}: malformed stamp ({type(e).__name__}: {e}); the copy is unusable, "
                                f"delete it or recover from another tier") from e
@@ -203,10 +204,11 @@ class PayloadDraft:
     metadata: dict[str, str]
     job_id: str
     layout: Layout
+    fingerprint: str = ""
 
     def stamp(self, data) -> Stamp:
         """The stamp of ``data``, this draft's serialized bytes (any buffer)."""
-        return Stamp(self.pid, len(data), checksum(data), self.job_id, self.layout)
+        return Stamp(self.pid, len(data), checksum(data), self.job_id, self.layout, self.fingerprint)
 
     def pieces(self) -> list:
         """The serialized payload as consecutive buffers: the header, then one view per tensor."""
@@ -229,13 +231,14 @@ class PayloadDraft:
         return EncodedPayload(data, self.stamp(data))
 
 
-def _draft(pid: PayloadId, tensors: dict[str, torch.Tensor], meta: dict, job_id: str,
-           layout: Layout) -> PayloadDraft:
-    meta = {"format": FORMAT, **pid.to_dict(), "job_id": job_id, "layout": layout.to_dict(), **meta}
-    return PayloadDraft(pid, tensors, {_META_KEY: json.dumps(meta)}, job_id, layout)
+def _draft(pid: PayloadId, tensors: dict[str, torch.Tensor], meta: dict, job_id: str, layout: Layout,
+           fingerprint: str) -> PayloadDraft:
+    meta = {"format": FORMAT, **pid.to_dict(), "job_id": job_id, "layout": layout.to_dict(),
+            "fingerprint": fingerprint, **meta}
+    return PayloadDraft(pid, tensors, {_META_KEY: json.dumps(meta)}, job_id, layout, fingerprint)
 
 
-def draft_base(state: BaseState, *, job_id: str, layout: Layout) -> PayloadDraft:
+def draft_base(state: BaseState, *, job_id: str, layout: Layout, fingerprint: str = "") -> PayloadDraft:
     """A base shard ready to serialize; fp32 state tensors must be 1-D and of equal length."""
     shapes = {name: tuple(getattr(state, name).shape) for name in _STATE_TENSORS}
     if len(set(shapes.values())) != 1 or len(shapes["master"]) != 1:
@@ -247,10 +250,11 @@ def draft_base(state: BaseState, *, job_id: str, layout: Layout) -> PayloadDraft
     tensors.update({f"rng/{name}": _host(t) for name, t in state.rng.items()})
     meta = {"adam_steps": state.adam_steps, "schedule": state.schedule, "loss_scaler": state.loss_scaler,
             "data_position": state.data_position, "segments": state.segments, "rng": sorted(state.rng)}
-    return _draft(PayloadId.base(state.version), tensors, meta, job_id, layout)
+    return _draft(PayloadId.base(state.version), tensors, meta, job_id, layout, fingerprint)
 
 
-def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout) -> PayloadDraft:
+def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout,
+                     fingerprint: str = "") -> PayloadDraft:
     """N consecutive steps' records as one diff batch, ready to serialize."""
     if not steps:
         raise ValueError("a diff batch needs at least one step")
@@ -264,17 +268,18 @@ def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout) 
         tensors.update({f"s{s.step}/{name}": _host(t) for name, t in s.tensors.items()})
         records.append({"step": s.step, "lr": s.lr, "adam_step": s.adam_step, "skipped": bool(s.skipped),
                         "header": s.header, "tensors": sorted(s.tensors)})
-    return _draft(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout)
+    return _draft(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout, fingerprint)
 
 
-def encode_base(state: BaseState, *, job_id: str, layout: Layout) -> EncodedPayload:
+def encode_base(state: BaseState, *, job_id: str, layout: Layout, fingerprint: str = "") -> EncodedPayload:
     """Serialize a base shard to bytes (see :func:`draft_base`)."""
-    return draft_base(state, job_id=job_id, layout=layout).to_payload()
+    return draft_base(state, job_id=job_id, layout=layout, fingerprint=fingerprint).to_payload()
 
 
-def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout) -> EncodedPayload:
+def encode_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout,
+                      fingerprint: str = "") -> EncodedPayload:
     """Serialize N consecutive steps' records to bytes as one diff batch."""
-    return draft_diff_batch(steps, job_id=job_id, layout=layout).to_payload()
+    return draft_diff_batch(steps, job_id=job_id, layout=layout, fingerprint=fingerprint).to_payload()
 
 
 def read_metadata(data: bytes, source: str) -> dict:

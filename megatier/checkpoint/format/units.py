@@ -20,6 +20,7 @@ BASE = "base"
 DIFF = "diff"
 _DIRNAME = re.compile(r"^(base)/v(\d{8})$|^(diff)/v(\d{8})-(\d{8})$")
 _RANK = re.compile(r"^rank(\d{5})$")
+_TEXT = re.compile(r"^base v(\d+)$|^diff v(\d+)-(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
@@ -77,6 +78,14 @@ class PayloadId:
 
     def __str__(self) -> str:
         return f"base v{self.last}" if self.kind == BASE else f"diff v{self.first}-{self.last}"
+
+    @classmethod
+    def parse(cls, text: str) -> "PayloadId":
+        """Inverse of ``str()``: ``base v8`` or ``diff v9-10``; ValueError for anything else."""
+        m = _TEXT.match(text)
+        if m is None:
+            raise ValueError(f"{text!r} is not a unit (expected 'base vN' or 'diff vA-B')")
+        return cls.base(int(m.group(1))) if m.group(1) else cls.diff(int(m.group(2)), int(m.group(3)))
 
 
 def rank_name(rank: int) -> str:

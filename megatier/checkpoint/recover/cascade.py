@@ -61,6 +61,7 @@ class Ledger:
     served: dict[tuple[int, PayloadId], tuple[str, int]] = field(default_factory=dict)  # -> (tier, bytes)
     fallbacks: list[str] = field(default_factory=list)
     bad: set[Copy] = field(default_factory=set)
+    corrupt: set[Copy] = field(default_factory=set)  # bad copies whose bytes failed their check (not a read error)
     moved: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_ORDER, 0))  # every pass
 
 
@@ -92,11 +93,12 @@ class Reader:
         return self.decode(self.read(copy).data, copy, copy.describe())
 
 
-def _note(copy: Copy, error: Exception) -> tuple[Copy, str]:
-    """A bad copy and a short why for the record (every rank learns both); the full error goes to the log."""
+def _note(copy: Copy, error: Exception) -> tuple[Copy, str, bool]:
+    """A bad copy, a short why for the record (every rank learns both) and whether its bytes are corrupt (rather
+    than unreadable just now); the full error goes to the log."""
     log.warning("skipping rank %d's %s from %s: %s", copy.owner, copy.pid, copy.describe(), error)
     reason = str(error).split("; ")[0].rsplit(": ", 1)[-1]
-    return copy, f"rank {copy.owner} {copy.pid} from {copy.describe()}: {reason}"
+    return copy, f"rank {copy.owner} {copy.pid} from {copy.describe()}: {reason}", isinstance(error, PayloadError)
 
 
 class Fetcher:
@@ -116,7 +118,8 @@ class Fetcher:
         need = {r: chain[k] for r, chain in self.consensus.chains.items() if k < len(chain)}
         cands = {r: cascade(self.consensus.copies[(r, pid)], self.rank_nodes[r]) for r, pid in need.items()}
         result, got, notes, nxt = self._local_attempt(cands.get(me, []))
-        statuses = self.comm.gather({"got": got, "next": nxt, "notes": notes, "fatal": carried_fatal})
+        statuses = self.comm.gather({"got": got, "next": nxt, "notes": notes, "fatal": carried_fatal},
+                                    what=f"recovery round {k} (local copies)")
         raise_fatal(statuses, f"round {k} (local copies)")
         pending, idx = self._absorb(statuses, need)
         attempt = 0
@@ -126,7 +129,7 @@ class Fetcher:
                     tried = ", ".join(c.describe() for c in cands[r]) or "no copy in any tier"
                     raise Exhausted(f"rank {r} cannot get {need[r]} from any tier (tried: {tried})")
             mine, status = self._remote_attempt(sorted(pending), cands, idx)
-            statuses = self.comm.gather(status)
+            statuses = self.comm.gather(status, what=f"recovery round {k} (remote attempt {attempt})")
             raise_fatal(statuses, f"round {k} (remote attempt {attempt})")
             if mine is not None:
                 result = mine
@@ -175,8 +178,9 @@ class Fetcher:
                 idx: Optional[dict[int, int]] = None) -> tuple[set, dict[int, int]]:
         """Fold a status gather into the ledger; returns the ranks still pending and their next candidate."""
         for s in statuses:
-            self.ledger.fallbacks.extend(message for _, message in s["notes"])
-            self.ledger.bad.update(copy for copy, _ in s["notes"])
+            self.ledger.fallbacks.extend(message for _, message, _ in s["notes"])
+            self.ledger.bad.update(copy for copy, _, _ in s["notes"])
+            self.ledger.corrupt.update(copy for copy, _, corrupt in s["notes"] if corrupt)
         if idx is None:
             idx = {r: statuses[r]["next"] for r in need}
             pending = set(need)
@@ -192,7 +196,7 @@ class Fetcher:
                 still.add(r)
         return still, idx
 
-    def _serve(self, copy: Copy, dst: int) -> list[tuple[Copy, str]]:
+    def _serve(self, copy: Copy, dst: int) -> list[tuple[Copy, str, bool]]:
         """Send ``copy`` to ``dst`` ("nothing" if this rank's copy is bad, with the reason in the notes)."""
         try:
             data, notes = self.reader.read(copy).data, []

@@ -31,6 +31,7 @@ from megatier.checkpoint.format.chain import chain_to, reachable
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
+from megatier.config.fingerprint import changed_keys
 from megatier.parallel.layout import layout_str as _layout_str
 
 log = logging.getLogger(__name__)
@@ -47,16 +48,57 @@ class Consensus:
     ignored: list[str] = field(default_factory=list)
 
 
-def _foreign_reason(c: Copy, job_id: str, degrees: tuple[int, int, int]) -> Optional[str]:
+@dataclass
+class ConfigCheck:
+    """Which config fingerprints this run may resume (megatier.config.fingerprint), and why not the others."""
+
+    current_id: str  # "": the caller fingerprints nothing, so nothing is checked
+    current: dict = field(default_factory=dict)
+    known: dict[str, dict] = field(default_factory=dict)  # id -> fingerprint, as the tiers recorded them
+    allow: tuple[str, ...] = ()  # checkpoint.allow_changes
+
+    def blocked(self, fingerprint_id: str) -> list[str]:
+        """``key: old -> new`` for each change from ``fingerprint_id`` that this run may not make."""
+        changes = changed_keys(self.known[fingerprint_id], self.current)
+        return [c for c in changes if c.split(":")[0] not in self.allow]
+
+    def refusal(self, fingerprint_id: str) -> Optional[str]:
+        """None if units of ``fingerprint_id`` may be resumed, else what is wrong with them."""
+        if not self.current_id or fingerprint_id == self.current_id or "*" in self.allow:
+            return None
+        if fingerprint_id not in self.known:
+            return "a configuration with no record (written by an older MegaTier, or its record is lost)"
+        blocked = self.blocked(fingerprint_id)
+        return f"another configuration ({'; '.join(blocked)})" if blocked else None
+
+
+def _foreign_reason(c: Copy, job_id: str, degrees: tuple[int, int, int], config: ConfigCheck) -> Optional[str]:
     s = c.stamp
     if s.job_id != job_id:
         return f"job {s.job_id!r}"
     if s.layout.degrees != degrees:
         return f"layout {_layout_str(s.layout.degrees)}"
-    return None
+    return config.refusal(s.fingerprint)
 
 
-def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, degrees: tuple[int, int, int]) -> RecoveryError:
+def _refuse_changed_config(foreign: list[tuple[Copy, str]], job_id: str, config: ConfigCheck) -> RecoveryError:
+    reasons = sorted({why for _, why in foreign})
+    ids = {c.stamp.fingerprint for c, _ in foreign if c.stamp.fingerprint in config.known}
+    keys = sorted({change.split(":")[0] for i in ids for change in config.blocked(i)})
+    unknown = any(c.stamp.fingerprint not in config.known for c, _ in foreign)
+    allow = f"checkpoint.allow_changes=[{','.join(keys)}]" if keys and not unknown else "checkpoint.allow_changes=['*']"
+    return RecoveryError(
+        f"refusing to recover: the checkpoints of job {job_id!r} were written with {' / '.join(reasons)}. Relaunch "
+        f"with the configuration they were written with, use a new checkpoint.job_id (or logging.name) for a new "
+        f"run, or set {allow} to resume them with these changes")
+
+
+def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, degrees: tuple[int, int, int],
+                    config: ConfigCheck) -> RecoveryError:
+    others = [(c, why) for c, why in foreign if c.stamp.job_id != job_id or c.stamp.layout.degrees != degrees]
+    if not others:
+        return _refuse_changed_config(foreign, job_id, config)
+    foreign = others
     kinds = sorted({(c.stamp.job_id, c.stamp.layout.degrees) for c, _ in foreign})
     found = "; ".join(f"job {j!r} with layout {_layout_str(d)}" for j, d in kinds)
     c = foreign[0][0]
@@ -83,18 +125,19 @@ def _missing_message(bases: dict[int, set[int]], world_size: int, looked: str) -
 
 
 def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], world_size: int, traces: bool,
-           allow_fresh_start: bool, looked: str) -> Optional[Consensus]:
+           allow_fresh_start: bool, looked: str, config: Optional[ConfigCheck] = None) -> Optional[Consensus]:
     """The recovery point all ranks agree on, or None for a fresh start (nothing of this job exists).
 
     Raises RecoveryError when traces exist but some rank has no base anywhere
     (unless ``allow_fresh_start``: then a warning and None), and always when the
-    only checkpoints found are of another job or layout.
+    only checkpoints found are of another job, layout or configuration.
     """
     if not traces:
         return None
+    config = config or ConfigCheck("")
     usable, foreign = [], []
     for c in copies:
-        reason = _foreign_reason(c, job_id, degrees)
+        reason = _foreign_reason(c, job_id, degrees, config)
         if reason is None and 0 <= c.owner < world_size:
             usable.append(c)
         else:
@@ -106,7 +149,7 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], wo
     common = set.intersection(*bases.values()) if world_size else set()
     if not common:
         if foreign:
-            raise _refuse_foreign(foreign, job_id, degrees)
+            raise _refuse_foreign(foreign, job_id, degrees, config)
         message = _missing_message(bases, world_size, looked)
         if allow_fresh_start:
             log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
@@ -123,7 +166,7 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], wo
             by_unit[(c.owner, c.pid)].append(c)
     ignored = [f"{c.pid} of rank {c.owner} in {c.describe()}: {why}" for c, why in foreign]
     if ignored:
-        log.warning("recovery ignores %d copies of another job or layout, e.g. %s", len(ignored), ignored[0])
+        log.warning("recovery ignores %d copies of another job, layout or config, e.g. %s", len(ignored), ignored[0])
     return Consensus(version, end, chains, by_unit, ignored)
 
 

@@ -52,6 +52,10 @@ class Inventory:
         return {r: s for ls in self.listings.values() for listing in ls for r, s in listing.progress.items()}
 
     @property
+    def fingerprints(self) -> dict[str, dict]:
+        return {i: fp for ls in self.listings.values() for listing in ls for i, fp in listing.fingerprints.items()}
+
+    @property
     def notes(self) -> list[str]:
         return [n for ls in self.listings.values() for listing in ls for n in listing.notes]
 
@@ -88,7 +92,7 @@ def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> In
                 item["listings"][tier.label] = tier.list()
     except Exception as e:  # an unreadable area or an unreachable Tier-3 must stop every rank, not only this one
         item["fatal"] = f"inventory on {node} failed: {type(e).__name__}: {e}"
-    items = comm.gather(item)
+    items = comm.gather(item, what="the recovery inventory")
     raise_fatal(items, "the inventory")
     return merge(items, tiers)
 

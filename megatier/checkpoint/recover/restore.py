@@ -36,7 +36,7 @@ from typing import Any, Optional
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
-from megatier.checkpoint.recover.consensus import Consensus, decide
+from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, last_step, raise_fatal, take_inventory
 from megatier.checkpoint.recover.record import recovery_record
 from megatier.checkpoint.shard import ShardAccess
@@ -80,25 +80,33 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
         fatal = _apply(ctx, shard, pid, obj)
         timings[min(k, 1)] += time.perf_counter() - t
     t = time.perf_counter()
-    raise_fatal(ctx.comm.gather({"fatal": fatal}), "replay")
+    raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")
     shard.publish()
     timings[1] += time.perf_counter() - t
 
 
-def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int) -> list[str]:
-    """Each tier's lister discards what could mix with the resumed run: units after E and leftovers."""
+def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> tuple[list[str], list[str]]:
+    """Each tier's lister quarantines the units whose copies there failed their checks, and discards what could
+    mix with the resumed run: units after E and leftovers. Returns (discarded, quarantined)."""
     gone: list[str] = []
+    quarantined: list[str] = []
     for tier in ctx.tiers:
         lister = 0 if tier.scope == JOB else inv.servers[ctx.node]
-        if lister == ctx.rank:
-            gone += tier.discard_after(end)
-    return gone
+        if lister != ctx.rank:
+            continue
+        for pid in sorted({c.pid for c in corrupt if c.tier == tier.label}):
+            reasons = sorted(f"rank {c.owner}" for c in corrupt if c.tier == tier.label and c.pid == pid)
+            if tier.quarantine(pid, f"{pid} failed its checksum at restore ({', '.join(reasons)})") is not None:
+                quarantined.append(str(pid))
+        gone += tier.discard_after(end)
+    return gone, quarantined
 
 
 def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: bool) -> Optional[Consensus]:
+    config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes))
     return decide([c for c in inv.copies if c not in bad], job_id=ctx.job_id, degrees=ctx.layout.degrees,
                   world_size=ctx.world_size, traces=inv.traces, allow_fresh_start=allow_fresh_start,
-                  looked=inv.looked())
+                  looked=inv.looked(), config=config)
 
 
 def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, inv: Inventory,
@@ -136,16 +144,19 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     _replay_with_fallbacks(ctx, shard, fetcher, inv, timings)
     consensus = fetcher.consensus
     try:
-        deleted, fatal = _cleanup(ctx, inv, consensus.end), None
+        (deleted, quarantined), fatal = _cleanup(ctx, inv, consensus.end, fetcher.ledger.corrupt), None
     except (StoreError, OSError) as e:
-        deleted, fatal = [], f"cleanup after recovery failed: {e}; stale units could mix with the resumed run"
-    final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "deleted": deleted})
+        deleted, quarantined = [], []
+        fatal = f"cleanup after recovery failed: {e}; stale units could mix with the resumed run"
+    final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "deleted": deleted,
+                             "quarantined": quarantined}, what="the recovery cleanup")
     raise_fatal(final, "cleanup")
     ledger = fetcher.ledger
     record = recovery_record(consensus, ledger.served, ledger.moved, ledger.fallbacks,
                              times=[f["times"] for f in final], stale_removed=sum(len(f["deleted"]) for f in final),
                              tier1_present=inv.has_copies(TIER1) or inv.has_copies(TIER2),
                              last_step=last_step(inv), rank_nodes=inv.rank_nodes)
+    record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
     if ctx.rank == 0:
         log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed", record["version"],
                  record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),

@@ -53,11 +53,10 @@ class SaveWorker:
     """One rank's save thread; errors surface on the next call from the loop."""
 
     def __init__(self, *, job_id: str, layout: Layout, tiers: Sequence[Tier], keep_for_loop: bool,
-                 inline: bool = False):
+                 fingerprint: str = "", inline: bool = False):
         if not tiers:
             raise ValueError("the save worker needs at least one tier")
-        self.job_id = job_id
-        self.layout = layout
+        self.job_id, self.layout, self.fingerprint = job_id, layout, fingerprint
         self.tiers = list(tiers)
         self.keep_for_loop = keep_for_loop
         self._cv = threading.Condition()
@@ -167,10 +166,10 @@ class SaveWorker:
         if not job.close_batch:
             return None
         batch, self._open = self._open, []
-        return draft_diff_batch(batch, job_id=self.job_id, layout=self.layout)
+        return draft_diff_batch(batch, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
     def _base(self, state: BaseState) -> PayloadDraft:
-        return draft_base(state, job_id=self.job_id, layout=self.layout)
+        return draft_base(state, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
     def _store(self, draft: PayloadDraft) -> EncodedPayload:
         """Serialize once, into the first tier, and offer the same bytes to the others."""

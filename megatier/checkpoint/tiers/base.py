@@ -89,6 +89,7 @@ class Listing:
     traces: bool = False  # anything of the job exists here (complete or not)
     incomplete: int = 0  # leftovers of crashed writes, never loaded
     progress: dict[int, int] = field(default_factory=dict)  # rank -> newest step it reached (Tier-1)
+    fingerprints: dict[str, dict] = field(default_factory=dict)  # fingerprint id -> the config keys it names
     notes: list[str] = field(default_factory=list)  # unreadable entries, for the recovery record
 
 
@@ -133,6 +134,9 @@ class Tier(abc.ABC):
     def start(self) -> None:
         """Begin background work; called once, after restore (which must see the tier undisturbed)."""
 
+    def record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
+        """Keep the run's config fingerprint by its id, so a later restore can name what changed."""
+
     def on_step(self, step: int) -> float:
         """The loop's tick after step ``step`` (after a lockstep tier's puts of that step); returns the
         seconds the loop was held up."""
@@ -167,11 +171,27 @@ class Tier(abc.ABC):
     def close(self, timeout: float) -> None:
         """After every rank drained: final work (Tier-3's last commit round), then stop threads."""
 
+    def behind(self) -> int:
+        """After drain: this rank's units the tier was given but could not store (they stay in cheaper tiers)."""
+        return 0
+
     # ---- the recovery path's hooks -----------------------------------------------------------
 
     def settle(self) -> None:
         """Before the inventory, on the rank that lists this tier: finish what a crashed launch left
         half done, so the listing (and the decision made from it) is the same every time."""
+
+    def quarantine(self, pid: PayloadId, reason: str) -> Optional[str]:
+        """On the rank that lists this tier: set aside a unit found corrupt, so it is never offered again and a
+        good copy can be committed in its place; returns where it went (None: this tier does not)."""
+        return None
+
+    def own_copy(self, pid: PayloadId) -> Optional[EncodedPayload]:
+        """This rank's complete, verified copy of ``pid`` held in this tier, if any (for repairs)."""
+        return None
+
+    def repair(self, payload: EncodedPayload) -> None:
+        """Store again a unit this tier quarantined, from a copy another tier still holds."""
 
     def discard_after(self, end: int) -> list[str]:
         """After a restore to ``end``, on the rank that lists this tier: delete leftovers of crashed

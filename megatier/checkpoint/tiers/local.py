@@ -15,12 +15,13 @@ import threading
 from typing import Optional
 
 from megatier.checkpoint.format.chain import chain_end
-from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft
+from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set
 from megatier.checkpoint.tiers.base import NODE, TIER1, Copy, Listing, Tier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.checkpoint.tiers.store import ObjectNotFound
 from megatier.faults import FaultHook, no_faults
 
 
@@ -77,11 +78,18 @@ class LocalTier(Tier):
     def list(self) -> Listing:
         listing = list_area(self.memory, self.label, replica=False)
         listing.progress = self.memory.read_progress()
+        listing.fingerprints = self.memory.read_fingerprints()
         listing.traces = listing.traces or bool(listing.progress)
         return listing
 
     def read(self, copy: Copy) -> EncodedPayload:
         return self.memory.load(copy.owner, copy.pid, replica=False)
+
+    def own_copy(self, pid: PayloadId) -> Optional[EncodedPayload]:
+        try:
+            return self.memory.load(self.rank, pid)
+        except (ObjectNotFound, PayloadError):
+            return None
 
     def delete(self, pid: PayloadId, owner: Optional[int] = None) -> None:
         for o in ([owner] if owner is not None else self.memory.owners(replica=False)):
@@ -96,6 +104,10 @@ class LocalTier(Tier):
             (group.add if present else group.discard)(key)
 
     # ---- save path ---------------------------------------------------------------------------
+
+    def record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
+        if fingerprint_id:
+            self.memory.write_fingerprint(fingerprint_id, fingerprint)
 
     def on_step(self, step: int) -> float:
         self.memory.write_progress(self.rank, step)

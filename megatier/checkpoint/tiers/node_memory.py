@@ -12,6 +12,7 @@ Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
     replica/rank00001/base/v00000050.safetensors        rank 1's replica, held here (Tier-2)
     replica/rank00001/base/v00000050.json
     progress/rank00003                                  the newest step rank 3 reached (steps lost)
+    fingerprints/<id>.json                              a config fingerprint the units' stamps name
 
 Invariants:
 - A payload is complete exactly when its stamp exists. The data file is written
@@ -24,6 +25,7 @@ Invariants:
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -39,8 +41,21 @@ from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)
 
+
+def read_fingerprints(store, prefix: str) -> dict[str, dict]:
+    """``<prefix><id>.json`` objects of ``store`` as id -> fingerprint; unreadable ones are logged and skipped."""
+    out = {}
+    for key in store.list(prefix):
+        name = key[len(prefix):]
+        try:
+            out[name.removesuffix(".json")] = json.loads(store.get(key))
+        except (StoreError, ValueError) as e:
+            log.warning("ignoring config fingerprint %s: %s", store.describe(key), e)
+    return out
+
 _DATA, _STAMP = ".safetensors", ".json"
 _PROGRESS = "progress/"
+_FINGERPRINTS = "fingerprints/"
 
 
 def _area(owner_rank: int, replica: bool) -> str:
@@ -208,6 +223,13 @@ class NodeMemory:
         """Drop every progress key (a resumed run rewrites them every step)."""
         for key in self.store.list(_PROGRESS):
             self.store.delete(key)
+
+    def write_fingerprint(self, fingerprint_id: str, fingerprint: dict) -> None:
+        self.store.put(f"{_FINGERPRINTS}{fingerprint_id}.json", json.dumps(fingerprint, sort_keys=True).encode())
+
+    def read_fingerprints(self) -> dict[str, dict]:
+        """Fingerprint id -> fingerprint, for every one recorded here (unreadable ones are skipped)."""
+        return read_fingerprints(self.store, _FINGERPRINTS)
 
     def bytes_held(self) -> int:
         """Bytes of every file in this node's area (own and replicas, complete or not)."""

@@ -12,14 +12,25 @@ or read back.
 """
 from __future__ import annotations
 
+import json
 import logging
+import time
 from typing import Optional
 from urllib.parse import urlparse
 
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import Coordinator, NoCoordinator
+from megatier.checkpoint.commit.lease import OwnerLease
 from megatier.checkpoint.commit.reader import RemoteReader
-from megatier.checkpoint.commit.records import COMMITTED, CommitError, CommitRecord, commit_key, delete_unit, list_units
+from megatier.checkpoint.commit.records import (
+    COMMITTED,
+    CommitError,
+    CommitRecord,
+    commit_key,
+    delete_unit,
+    list_units,
+    quarantine_unit,
+)
 from megatier.checkpoint.commit.uploader import Uploader
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
 from megatier.checkpoint.format.units import PayloadId, check_path_component, rank_name
@@ -27,6 +38,7 @@ from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end
 from megatier.checkpoint.tiers.base import JOB, TIER3, Copy, Listing, Tier
 from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.tiers.node_memory import read_fingerprints
 from megatier.checkpoint.tiers.s3 import S3Store
 from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.config import check_remote_url
@@ -55,10 +67,14 @@ def open_remote_store(url: str, job_id: str, *, endpoint_url: Optional[str] = No
     return DirectoryStore(f"{path.rstrip('/')}/{job_id}", fsync=fsync)
 
 
+FINGERPRINTS = "_fingerprints/"
+
+
 def list_committed(store: ObjectStore, label: str = TIER3) -> Listing:
-    """Every rank's copy of every committed unit; unreadable commit records are noted and skipped."""
+    """Every rank's copy of every committed unit, and the recorded config fingerprints; unreadable commit
+    records are noted and skipped."""
     units = list_units(store)
-    listing = Listing(traces=bool(units))
+    listing = Listing(traces=bool(units), fingerprints=read_fingerprints(store, FINGERPRINTS))
     for pid, unit in sorted(units.items(), key=lambda kv: (kv[0].last, kv[0].kind)):
         if not unit.committed:
             continue
@@ -81,10 +97,15 @@ class RemoteTier(Tier):
     label, scope = TIER3, JOB
 
     def __init__(self, store: ObjectStore, *, job_id: str, rank: int, world_size: int, incarnation: str,
-                 keep_bases: int, fault: FaultHook = no_faults):
+                 keep_bases: int, drain_timeout_s: float = 120.0, lease: Optional[OwnerLease] = None,
+                 fault: FaultHook = no_faults):
         self.store = store
         self.job_id = job_id
         self.world_size = world_size
+        self.lists = rank == 0  # global rank 0 lists Tier-3, commits and records the config
+        self.drain_timeout_s = drain_timeout_s
+        self._left: list[PayloadId] = []  # what the uploader could not store by the end of drain()
+        self.lease = lease  # global rank 0's hold on the job's prefix (commit/lease.py); None elsewhere
         self.reader = RemoteReader(store, job_id)
         self.coordinator = (Coordinator(store, job_id, world_size, keep_bases=keep_bases, fault_hook=fault)
                             if rank == 0 else NoCoordinator())  # polls from start(), after restore
@@ -117,9 +138,23 @@ class RemoteTier(Tier):
     def start(self) -> None:
         self.coordinator.start()
 
+    def record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
+        """Rank 0 records the fingerprint once; if Tier-3 is down now, a later restore can still refuse a
+        changed config, only without naming the keys."""
+        if not fingerprint_id or not self.lists:
+            return
+        try:
+            self.store.put(f"{FINGERPRINTS}{fingerprint_id}.json", json.dumps(fingerprint, sort_keys=True).encode())
+        except StoreError as e:
+            log.warning("could not record the config fingerprint on Tier-3 (%s): %s", self.store.url, e)
+
     def point(self) -> Optional[int]:
         """The rack recovery point (known on rank 0). Asked at each watermark sync, right after a diff
-        batch closed, so it also wakes the coordinator: that batch's units may be complete soon."""
+        batch closed, so it also wakes the coordinator: that batch's units may be complete soon; and
+        stops the run if another launch took the Tier-3 lease over."""
+        if self.lease is not None and self.lease.lost is not None:
+            raise RuntimeError(f"this run lost the Tier-3 lease at {self.store.url}: {self.lease.lost}; it stops "
+                               f"so that two runs never write one job's checkpoints")
         self.coordinator.nudge()
         return self.coordinator.recovery_point()
 
@@ -141,15 +176,34 @@ class RemoteTier(Tier):
         return None
 
     def drain(self, step: int, timeout: float) -> None:
-        left = self.uploader.close(timeout)
-        if left:
-            log.warning("rank %d: %d units not uploaded to Tier-3 at exit: %s", self.uploader.rank, len(left),
-                        ", ".join(map(str, left)))
+        """Upload what is queued for at most ``checkpoint.remote.drain_timeout_s``, then stop."""
+        self._left = self.uploader.close(min(timeout, self.drain_timeout_s))
+        if self._left:
+            log.warning("rank %d: %d units not uploaded to Tier-3 at exit: %s", self.uploader.rank, len(self._left),
+                        ", ".join(map(str, self._left)))
 
     def close(self, timeout: float) -> None:
-        self.coordinator.close(timeout)
+        self.coordinator.close(min(timeout, self.drain_timeout_s))
+        if self.lease is not None:
+            self.lease.release()
+
+    def behind(self) -> int:
+        return len(self._left)
 
     # ---- recovery ----------------------------------------------------------------------------
+
+    def quarantine(self, pid: PayloadId, reason: str) -> Optional[str]:
+        keys = list(self.store.list(f"{pid.dirname}/"))
+        if not keys:
+            return None
+        when = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        dest = quarantine_unit(self.store, pid, keys, reason, when)
+        log.warning("Tier-3 %s failed its checksum and was quarantined to %s: %s", pid, self.store.describe(dest),
+                    reason)
+        return dest
+
+    def repair(self, payload: EncodedPayload) -> None:
+        self.uploader.submit(payload)
 
     def settle(self) -> None:
         """Commit what the previous launch left with every marker in but no ``_COMMITTED`` (its coordinator

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -125,3 +126,33 @@ def test_labels_are_inputs_shifted(corpus_prefix):
     x, y = samples.stack([3, 4])
     assert x.shape == y.shape == (2, 16)
     assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())
+
+
+def test_a_flipped_byte_in_the_token_file_is_refused_naming_it(tmp_path):
+    prefix = str(tmp_path / "ds")
+    build_dataset(_write_inputs(tmp_path), prefix, tokenizer="byte")
+    clean = IndexedDataset(prefix, cache_dir=str(tmp_path / "cache"))
+    assert len(clean.checksum) == 16 and clean.metadata["bin_xxh64"] == clean.checksum
+    with open(prefix + ".bin", "r+b") as f:
+        f.seek(5)
+        byte = f.read(1)
+        f.seek(5)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ValueError, match=r"ds\.bin: xxh64 .* does not match .* rebuild it"):
+        IndexedDataset(prefix, cache_dir=str(tmp_path / "cache"))
+
+
+def test_a_verified_file_is_not_hashed_again_until_it_changes(tmp_path, monkeypatch):
+    from megatier.data import indexed
+
+    prefix = str(tmp_path / "ds")
+    build_dataset(_write_inputs(tmp_path), prefix, tokenizer="byte")
+    calls = []
+    real = indexed.file_xxh64
+    monkeypatch.setattr(indexed, "file_xxh64", lambda path: calls.append(path) or real(path))
+    cache = str(tmp_path / "cache")
+    first = IndexedDataset(prefix, cache_dir=cache).checksum
+    assert IndexedDataset(prefix, cache_dir=cache).checksum == first and len(calls) == 1
+    os.utime(prefix + ".bin", ns=(1, 1))  # a new modification time: verified again
+    IndexedDataset(prefix, cache_dir=cache)
+    assert len(calls) == 2

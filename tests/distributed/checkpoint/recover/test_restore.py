@@ -189,7 +189,8 @@ def _scenario(rank: int, root: Path, kind: str, ps) -> dict:
     if rank == 0:
         _fail(kind, root)
     dist.barrier(group=ps.checkpoint_group)
-    if kind == "remap":
+    if kind == "remap":  # a relaunch: the first launch is gone (its Tier-3 lease released)
+        ctx.close()
         ps = _world(rank, swap=True)
         ctx = build_context(_cfg(root), ps, timeout_s=TIMEOUT)
     fresh, fresh_shard = _optimizer(ps)
@@ -204,6 +205,7 @@ def _scenario(rank: int, root: Path, kind: str, ps) -> dict:
     if rank % 2 == 0 and kind != "remap":  # one rank per node lists the node's own areas after cleanup
         own = [f"rank{e.owner_rank} {e.pid}" for e in NodeMemory(ctx.cfg.local.root, JOB, ctx.node).entries()]
     t3 = sorted(str(p) for p in list_units(open_remote_store(ctx.cfg.remote.url, JOB))) if rank == 0 else []
+    ctx.close()
     return {"version": result.version, "end": result.end, "record": result.record, "exact": exact,
             "entries": own, "t3": t3, "hits": ctx.fault.hits}
 
@@ -336,6 +338,7 @@ def _empty_then_missing(rank: int, root: Path, ps) -> dict:
     except RecoveryError as e:
         out["refusal"] = str(e)
     out["allowed"] = restore(ctx, shard, allow_fresh_start=True)
+    ctx.close()
     return out
 
 
@@ -352,6 +355,7 @@ def _foreign(rank: int, root: Path, ps) -> dict:
     ctx = build_context(_cfg(root), ps, timeout_s=TIMEOUT)
     opt, shard = _optimizer(ps)
     _generate(ctx, ps, opt, shard)
+    ctx.close()
     if rank == 0:
         shutil.copytree(root / "t1" / JOB, root / "t1" / "otherjob")
         shutil.copytree(root / "t3" / JOB, root / "t3" / "otherjob")
@@ -364,6 +368,7 @@ def _foreign(rank: int, root: Path, ps) -> dict:
             out[name] = None
         except RecoveryError as e:
             out[name] = str(e)
+        ctx2.close()
     return out
 
 

@@ -10,7 +10,7 @@ from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
 from megatier.checkpoint.format.payload import BaseState, Stamp, encode_base
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.recover.consensus import cascade, decide
+from megatier.checkpoint.recover.consensus import ConfigCheck, cascade, decide
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.record import failure_class, recovery_record
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, Copy
@@ -215,3 +215,48 @@ def test_failure_class_and_record():
     assert (rec["version"], rec["end"], rec["steps_lost"], rec["last_step"]) == (8, 10, 3, 13)
     assert (rec["t_consensus_s"], rec["t_rollback_s"], rec["t_replay_s"]) == (4, 2, 3)
     assert (rec["bytes_tier1"], rec["bytes_tier2"], rec["bytes_tier3"]) == (13, 3, 12)
+
+
+def _fp_copies(ranks, pids, fingerprint: str) -> list[Copy]:
+    out = []
+    for r in ranks:
+        for p in pids:
+            s = stamp(r, p)
+            out.append(Copy(Stamp(s.pid, s.size, s.xxh64, s.job_id, s.layout, fingerprint), TIER1, "node0"))
+    return out
+
+
+def test_another_config_is_refused_naming_the_keys_unless_allowed():
+    old = {"optim.lr": "0.0006", "train.seed": "1234", "model.hidden_size": "64"}
+    new = {"optim.lr": "0.001", "train.seed": "7", "model.hidden_size": "64"}
+    cs = _fp_copies([0, 1], [B(0), D(1, 2)], "old")
+    check = ConfigCheck("new", new, {"old": old, "new": new})
+    with pytest.raises(RecoveryError) as e:
+        decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=True, looked="x",
+               config=check)
+    msg = str(e.value)
+    assert "optim.lr: 0.0006 -> 0.001" in msg and "train.seed: 1234 -> 7" in msg
+    assert "checkpoint.allow_changes=[optim.lr,train.seed]" in msg and "new checkpoint.job_id" in msg
+    allowed = ConfigCheck("new", new, {"old": old}, ("optim.lr", "train.seed"))
+    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+               config=allowed)
+    assert (c.version, c.end) == (0, 2)
+    partly = ConfigCheck("new", new, {"old": old}, ("optim.lr",))
+    assert partly.refusal("old") == "another configuration (train.seed: 1234 -> 7)"
+
+
+def test_an_unrecorded_config_is_refused_unless_any_change_is_allowed():
+    cs = _fp_copies([0, 1], [B(0)], "lost")
+    with pytest.raises(RecoveryError, match=r"no record .*allow_changes=\['\*'\]"):
+        decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+               config=ConfigCheck("new", {"a": "1"}))
+    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+               config=ConfigCheck("new", {"a": "1"}, allow=("*",)))
+    assert c.version == 0
+
+
+def test_units_of_the_current_config_beside_older_ones_are_used():
+    cs = _fp_copies([0, 1], [B(0), D(1, 2)], "old") + _fp_copies([0, 1], [B(2), D(3, 4)], "new")
+    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+               config=ConfigCheck("new", {"a": "2"}, {"old": {"a": "1"}}))
+    assert (c.version, c.end) == (2, 4) and len(c.ignored) == 4

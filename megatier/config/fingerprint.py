@@ -1,0 +1,54 @@
+"""The config fingerprint: what shapes a run's training state, recorded with every checkpoint unit.
+
+A run resumes only its own job. Two runs with the same ``checkpoint.job_id``
+but another model, optimizer, data, seed or precision produce states that must
+never be mixed, so every unit's stamp carries the xxh64 of this fingerprint and
+restore refuses units whose fingerprint differs, naming the keys that differ
+(``checkpoint.allow_changes`` lists keys a relaunch may change on purpose,
+such as ``optim.lr``).
+
+Included: every model and optimizer setting (the LR schedule's decay horizon
+resolved, since it defaults to ``train.iters``), the tp/pp layout, the data
+window (sequence length, split, sampler seed) and the checksum of the token
+file, the batch sizes, seed and precision. Not included: ``train.iters`` (a
+resumed run may train longer), evaluation, logging, devices, threads, paths
+and the checkpoint settings themselves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import xxhash
+
+from megatier.config.schema import Config
+
+
+def _flat(prefix: str, obj) -> dict[str, str]:
+    return {f"{prefix}.{f.name}": json.dumps(getattr(obj, f.name), sort_keys=True) for f in dataclasses.fields(obj)}
+
+
+def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
+    """Key -> JSON value of every setting that shapes the training state (see the module docstring)."""
+    fp = {**_flat("model", cfg.model), **_flat("optim", cfg.optim)}
+    fp["optim.decay_iters"] = json.dumps(cfg.optim.decay_iters or cfg.train.iters)
+    t, d = cfg.train, cfg.data
+    for key, value in (("parallel.tp", cfg.parallel.tp), ("parallel.pp", cfg.parallel.pp),
+                       ("data.seq_len", d.seq_len), ("data.val_fraction", d.val_fraction), ("data.seed", d.seed),
+                       ("data.checksum", data_checksum), ("train.global_batch_size", t.global_batch_size),
+                       ("train.micro_batch_size", t.micro_batch_size), ("train.seed", t.seed),
+                       ("train.precision", t.precision)):
+        fp[key] = json.dumps(value)
+    fp.pop("model.name")  # a preset's label, not a shape
+    return fp
+
+
+def fingerprint_hash(fp: dict[str, str]) -> str:
+    """16 hex digits naming a fingerprint (the empty fingerprint, of tools that set none, is "")."""
+    return xxhash.xxh64(json.dumps(fp, sort_keys=True).encode()).hexdigest() if fp else ""
+
+
+def changed_keys(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """``key: old -> new`` for every key whose value differs (or exists in one only), sorted."""
+    keys = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    return [f"{k}: {old.get(k, '(unset)')} -> {new.get(k, '(unset)')}" for k in keys]

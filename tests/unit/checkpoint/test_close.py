@@ -1,0 +1,42 @@
+"""close() is bounded when Tier-3 is down at exit and says what stayed behind; a healthy run says it is durable."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from megatier.checkpoint.checkpointer import build_checkpointer
+from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.training.trainer import Trainer
+from tests.checkpoint_fakes import DownAfter
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _config(tiny_config, tmp_path, *extra):
+    return tiny_config("checkpoint=tiered", "checkpoint.tiers=[local,remote]", f"checkpoint.local.root={tmp_path}/shm",
+                       f"checkpoint.remote.url={tmp_path}/t3", "checkpoint.base_interval=10", "train.iters=12",
+                       "checkpoint.remote.drain_timeout_s=2", *extra)
+
+
+def test_a_tier3_outage_at_exit_ends_in_bounded_time_with_a_clear_status(tiny_config, tmp_path, caplog):
+    cfg = _config(tiny_config, tmp_path)
+    store = DownAfter(open_remote_store(f"{tmp_path}/t3", cfg.checkpoint.job_id, fsync=False), ok_writes=8)
+    trainer = Trainer(cfg, checkpointer=lambda state: build_checkpointer(
+        cfg.checkpoint, state, timeout_s=cfg.parallel.timeout_s, remote_store=store))
+    trainer.train()
+    t0 = time.monotonic()
+    summary = trainer.close()
+    assert time.monotonic() - t0 < 20.0
+    assert summary["checkpoint_behind"] and summary["checkpoint_units_behind"] > 0
+    assert summary["checkpoint_saved_step"] == 10 and (summary["checkpoint_durable_step"] or 0) < 10
+    assert summary["state_digest"] and summary["step"] == 12  # the run itself finished
+    assert "units behind at exit" in caplog.text and "remain only in Tier-1" in caplog.text
+
+
+def test_a_healthy_run_reports_its_checkpoints_durable(tiny_config, tmp_path):
+    trainer = Trainer(_config(tiny_config, tmp_path))
+    trainer.train()
+    summary = trainer.close()
+    assert summary["checkpoint_behind"] is False
+    assert summary["checkpoint_durable_step"] == summary["checkpoint_saved_step"] == 10

@@ -1,0 +1,55 @@
+"""Tier-3 as a tier: a corrupt committed unit is quarantined (never offered again) and a good copy recommitted."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatier.checkpoint.commit.reader import RemoteReader
+from megatier.checkpoint.commit.records import QUARANTINE, list_units
+from megatier.checkpoint.format.payload import BaseState, encode_base
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.tiers.remote import RemoteTier, list_committed
+from megatier.cli.inspect import inspect_quarantine
+from megatier.parallel.layout import Layout
+
+pytestmark = pytest.mark.timeout(60)
+B10 = PayloadId.base(10)
+
+
+def _wait_committed(store, pid, timeout=20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not (pid in list_units(store) and list_units(store)[pid].committed):
+        assert time.monotonic() < deadline, f"{pid} was not committed in time"
+        time.sleep(0.05)
+
+
+def _base(version: int):
+    t = torch.arange(8, dtype=torch.float32)
+    return encode_base(BaseState(version, version, t, t * 2, t * 3, {}, None, {}), job_id="job1",
+                       layout=Layout(1, 1, 1, 0, 0, 0))
+
+
+def test_quarantine_then_repair_from_a_surviving_copy(tmp_path):
+    store = DirectoryStore(str(tmp_path / "t3"), fsync=False)
+    payload = _base(10)
+    tier = RemoteTier(store, job_id="job1", rank=0, world_size=1, incarnation="a", keep_bases=2)
+    tier.start()
+    tier.put(payload)
+    _wait_committed(store, B10)
+    obj = next(k for k in store.list("base/") if k.endswith(".safetensors"))
+    data = bytearray(store.get(obj))
+    data[len(data) // 2] ^= 0xFF
+    store.put(obj, bytes(data))
+    dest = tier.quarantine(B10, "base v10 failed its checksum at restore (rank 0)")
+    assert dest is not None and dest.startswith(QUARANTINE)
+    assert B10 not in list_units(store) and list_committed(store).copies == []
+    rows = inspect_quarantine(store)
+    assert len(rows) == 1 and "quarantined" in rows[0].status and "rank 0" in rows[0].status
+    tier.repair(payload)  # the rank's Tier-1 copy survived
+    _wait_committed(store, B10)
+    assert RemoteReader(store, payload.stamp.job_id).load(B10, 0).data == payload.data
+    tier.drain(11, 5.0)
+    tier.close(5.0)
