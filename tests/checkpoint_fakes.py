@@ -6,7 +6,7 @@ import threading
 import torch
 
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, TransientStoreError
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreUnavailable, TransientStoreError
 from megatier.parallel.layout import Layout
 
 JOB = "job1"
@@ -79,3 +79,48 @@ class DownAfter(FlakyStore):
             self.ok -= 1
             if self.ok < 0:
                 raise TransientStoreError(f"injected outage writing {key}")
+
+
+class Outage(FlakyStore):
+    """Delegates to ``inner``; while ``down`` is set every operation fails as an unreachable endpoint would."""
+
+    def __init__(self, inner: ObjectStore):
+        super().__init__(inner, 0)
+        self.down = False
+
+    def _maybe_fail(self, key: str) -> None:
+        if self.down:
+            raise TransientStoreError(f"injected outage at {key}")
+
+    def get(self, key):
+        self._maybe_fail(key)
+        return self.inner.get(key)
+
+    def list(self, prefix=""):
+        self._maybe_fail(prefix)
+        return self.inner.list(prefix)
+
+    def delete(self, key):
+        self._maybe_fail(key)
+        self.inner.delete(key)
+
+
+class FullAfter(FlakyStore):
+    """Delegates to ``inner`` until ``ok_writes`` writes were made, then every write fails as on a full disk."""
+
+    def __init__(self, inner: ObjectStore, ok_writes: int):
+        super().__init__(inner, 0)
+        self.ok = ok_writes
+
+    def _maybe_fail(self, key: str) -> None:
+        with self.lock:
+            self.ok -= 1
+            if self.ok < 0:
+                raise StoreUnavailable(f"writing {key} failed: No space left on device; the file system is full")
+
+    def __getattr__(self, name):  # the node-memory store's extra methods (put_pieces, open_mapped, ...)
+        return getattr(self.inner, name)
+
+    def put_pieces(self, key, pieces):
+        self._maybe_fail(key)
+        self.inner.put_pieces(key, pieces)

@@ -111,14 +111,15 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     tiers: list[Tier] = []
     if "local" in cfg.tiers:
         memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
-        tiers.append(LocalTier(memory, ps.rank, fault=fault))
+        tiers.append(LocalTier(memory, ps.rank, keep_bases=cfg.local.keep_bases,
+                               budget_bytes=int(cfg.local.budget_gib * (1 << 30)), fault=fault))
         if "peer" in cfg.tiers and ps.replica_holder_rank is not None:
             replicator = PeerReplicator(memory, rank=ps.rank, holder_rank=ps.replica_holder_rank,
                                         owner_rank=ps.replica_owner_rank, group=transfer_group,
                                         base_interval=cfg.base_interval,
                                         max_chunk_bytes=int(cfg.peer.max_chunk_mib * (1 << 20)),
                                         timeout_s=timeout_s, fault_hook=fault)
-            tiers.append(PeerTier(memory, replicator, fault=fault))
+            tiers.append(PeerTier(memory, replicator, keep_bases=cfg.local.keep_bases, fault=fault))
     if store is not None:
         tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
                                 incarnation=incarnation, keep_bases=cfg.remote.keep_bases,

@@ -85,7 +85,7 @@ class CheckpointManager:
         self.watermark: Optional[int] = None
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
-        self._budget_warned = 0.0
+        self._budget_warned = self._degraded_warned = 0.0
         self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in ctx.tiers if not t.lockstep],
                                  keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
 
@@ -204,8 +204,19 @@ class CheckpointManager:
         committed = rows[0][-1]  # the coordinator's (global rank 0's) newest committed base
         if committed != _NONE and (self.watermark is None or committed > self.watermark):
             self.watermark = committed
-            for tier in tiers:
-                tier.reclaim(committed)
+        for tier in tiers:  # node memory also keeps to its own retention while Tier-3 is behind
+            tier.reclaim(self.watermark)
+        self._last["degraded"] = self._degraded()
+
+    def _degraded(self) -> Optional[str]:
+        """Tiers that cannot store what they are given, warned about once a minute while it lasts."""
+        problems = [p for t in self.ctx.tiers if (p := t.degraded()) is not None]
+        now = time.monotonic()
+        if problems and now - self._degraded_warned > 60.0:
+            self._degraded_warned = now
+            log.warning("rank %d: checkpointing is degraded, training goes on: %s", self.ctx.rank,
+                        "; ".join(problems))
+        return "; ".join(problems) if problems else None
 
     # ---- metrics and shutdown ----------------------------------------------------------------
 

@@ -136,6 +136,10 @@ def check_checkpoint_config(cfg: CheckpointConfig) -> None:
     _check_allow_changes(cfg.allow_changes)
     if "local" in cfg.tiers:
         _check_local_root(cfg.local.root)
+        _require(cfg.local.keep_bases >= 1, f"checkpoint.local.keep_bases={cfg.local.keep_bases} must be >= 1; "
+                                            f"the newest recovery point needs its base")
+        _require(cfg.local.budget_gib >= 0, f"checkpoint.local.budget_gib={cfg.local.budget_gib} must be >= 0 "
+                                            f"(0: no limit)")
     if "remote" in cfg.tiers:
         check_remote_url(cfg.remote.url, cfg.remote.endpoint_url)
         _require(cfg.remote.lease_s >= 1, f"checkpoint.remote.lease_s={cfg.remote.lease_s} must be >= 1")

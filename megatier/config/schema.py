@@ -132,6 +132,11 @@ class LocalTierConfig:
     """Tier-1: node memory that outlives the process; files under <root>/<job_id>/<node>/."""
 
     root: str = "/dev/shm/megatier"
+    # Newest own bases (with their diff chains) node memory keeps even while Tier-3 is behind; older units go.
+    keep_bases: int = 2
+    # Bytes this node's area may hold (own units and the replicas it keeps); above it only the newest base
+    # and its chain are kept, and the metrics say Tier-1 is degraded. 0: no limit.
+    budget_gib: float = 0.0
 
 
 @dataclass

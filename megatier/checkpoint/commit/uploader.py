@@ -23,7 +23,7 @@ from typing import Callable, Optional, TypeVar
 
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
 from megatier.checkpoint.format.payload import EncodedPayload
-from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
@@ -76,6 +76,9 @@ class Uploader:
         self._error: Optional[BaseException] = None
         self._last: Optional[PayloadId] = None
         self._failures, self._last_error = 0, None
+        self._failing_since: Optional[float] = None  # first failure since the last success
+        self._warned_at = 0.0
+        self.skipped = 0  # queued units dropped because a newer base superseded them
         self._thread = helper_thread(self._run, f"megatier-t3-upload-rank{rank}")
         self._thread.start()
 
@@ -92,8 +95,27 @@ class Uploader:
                 # Tier-3 is behind: queue a copy so a long outage holds memory (bounded by the
                 # budget), not thousands of open files and maps of Tier-1.
                 payload = payload.detached()
+            if payload.stamp.pid.kind == BASE and self._failing_since is not None:
+                self._supersede(payload)
             self._queue.append(payload)
             self._cv.notify_all()
+
+    def failing_for(self) -> Optional[float]:
+        """Seconds since the first failure after the last success; None while uploads succeed."""
+        with self._cv:
+            return None if self._failing_since is None else time.monotonic() - self._failing_since
+
+    def _supersede(self, base: EncodedPayload) -> None:
+        """While Tier-3 is failing, drop the queued units ``base`` makes pointless (older bases, diffs ending at or
+        before it; never the one in flight): the backlog of an outage stays one base interval, not unbounded."""
+        version = base.stamp.pid.version
+        keep = [p for i, p in enumerate(self._queue) if i == 0 or p.stamp.pid.last > version]
+        dropped = len(self._queue) - len(keep)
+        if dropped:
+            self._queue = collections.deque(keep)
+            self.skipped += dropped
+            log.info("rank %d: Tier-3 is behind; %d queued units superseded by %s are not uploaded", self.rank,
+                     dropped, base.stamp.pid)
 
     def status(self) -> UploaderStatus:
         """Queue, held bytes, last uploaded unit and failures, for metrics and warnings."""
@@ -183,12 +205,18 @@ class Uploader:
             if self._abort.is_set():
                 raise _Stopped()
             try:
-                return action()
+                out = action()
+                with self._cv:
+                    self._failing_since = None
+                return out
             except StoreError as e:
+                now = time.monotonic()
                 with self._cv:
                     self._failures += 1
                     self._last_error = f"{what}: {e}"
-                if attempt % 10 == 0:
+                    self._failing_since = self._failing_since or now
+                if now - self._warned_at > 60.0:  # once a minute while it lasts
+                    self._warned_at = now
                     log.warning("Tier-3 %s failed (attempt %d), retrying: %s", what, attempt + 1, e)
                 if self._abort.wait(self.backoff.delay(attempt, self._rng)):
                     raise _Stopped() from e

@@ -6,7 +6,10 @@ at any time is some committed base V >= W plus a diff chain after it, so:
 
 - Tier-1/Tier-2 (:func:`local_reclaim_set`): delete bases older than W and diff
   batches ending at or before W. Base W, newer bases and every diff batch that
-  reaches past W stay.
+  reaches past W stay. Node memory does not wait for Tier-3 forever: it also
+  reclaims below its own ``keep_bases``-th newest base (:func:`retention_floor`),
+  so an outage of Tier-3 never grows it without bound, and the software and
+  node recovery points (the newest base and its chain) are always kept.
 - Tier-3 (:func:`remote_reclaim_set`): keep every base at or above W and the
   newest ``keep_bases`` committed bases at or below W; keep diff batches that
   end after the committed base preceding W (one more base interval, so a
@@ -57,6 +60,19 @@ def remote_reclaim_set(units: Mapping[PayloadId, bool], watermark: Optional[int]
         elif diff_floor is not None and p.last <= diff_floor:
             doomed.add(p)
     return doomed
+
+
+def retention_floor(held: Iterable[PayloadId], keep_bases: int) -> Optional[int]:
+    """The version below which node memory may drop units whatever Tier-3 has: its ``keep_bases``-th newest
+    base (None while it holds fewer). Reclaiming below it keeps the newest bases and every chain from them."""
+    bases = sorted({p.version for p in held if p.kind == BASE})
+    return bases[-keep_bases] if len(bases) >= keep_bases else None
+
+
+def node_memory_floor(watermark: Optional[int], floor: Optional[int]) -> Optional[int]:
+    """What node memory reclaims against: the watermark, or the retention floor when that is newer."""
+    candidates = [v for v in (watermark, floor) if v is not None]
+    return max(candidates) if candidates else None
 
 
 def beyond_end(held: Iterable[PayloadId], end: int) -> set[PayloadId]:

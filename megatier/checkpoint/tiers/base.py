@@ -150,12 +150,17 @@ class Tier(abc.ABC):
         """Newest base this tier holds durably for every rank (Tier-3's commit; None elsewhere)."""
         return None
 
-    def reclaim(self, watermark: int) -> None:
-        """Delete what watermark ``watermark`` (a base committed everywhere) made obsolete."""
+    def reclaim(self, watermark: Optional[int]) -> None:
+        """Delete what is obsolete: behind ``watermark`` (a base committed everywhere; None before the first)
+        and, for node memory, behind its own retention floor. Called at every watermark sync."""
 
     def pending_bytes(self) -> int:
         """Payload bytes held in host memory until this tier has them."""
         return 0
+
+    def degraded(self) -> Optional[str]:
+        """Why this tier cannot store what it is given right now (full, down), or None when it can."""
+        return None
 
     def lag_cause(self) -> Optional[str]:
         """Why this tier is behind, if it is (for the memory-budget warning)."""

@@ -8,6 +8,10 @@ of that file: one copy of the tensors feeds all three tiers.
 
 It also keeps the rank's progress key (the newest step reached, for "steps
 lost" after a failure), rewritten at every step's tick.
+
+A full or failing node memory never stops training: a unit it cannot store is
+still serialized (to bytes) for the other tiers, the tier reports itself
+degraded, and it is tried again with the next unit.
 """
 from __future__ import annotations
 
@@ -18,10 +22,10 @@ from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
-from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set
+from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set, node_memory_floor, retention_floor
 from megatier.checkpoint.tiers.base import NODE, TIER1, Copy, Listing, Tier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.checkpoint.tiers.store import ObjectNotFound
+from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
 from megatier.faults import FaultHook, no_faults
 
 
@@ -52,10 +56,13 @@ class LocalTier(Tier):
 
     label, scope = TIER1, NODE
 
-    def __init__(self, memory: NodeMemory, rank: int, *, fault: FaultHook = no_faults):
+    def __init__(self, memory: NodeMemory, rank: int, *, keep_bases: int = 2, budget_bytes: int = 0,
+                 fault: FaultHook = no_faults):
         self.memory = memory
         self.rank = rank
+        self.keep_bases, self.budget_bytes = keep_bases, budget_bytes
         self.fault = fault
+        self._problem: Optional[str] = None  # why the last write failed (None: it worked)
         self._lock = threading.Lock()
         # Units this launch wrote and still holds: the Tier-1 recovery point (read by the loop's thread).
         self._bases: set[int] = set()
@@ -67,11 +74,21 @@ class LocalTier(Tier):
     # ---- units -------------------------------------------------------------------------------
 
     def put(self, payload: EncodedPayload) -> None:
-        self.memory.save(payload)
+        try:
+            self.memory.save(payload)
+        except (StoreError, OSError) as e:
+            self._problem = f"{self.where()} cannot store {payload.stamp.pid}: {e}"
+            return
+        self._problem = None
         self._held(payload.stamp.pid, True)
 
     def put_draft(self, draft: PayloadDraft) -> EncodedPayload:
-        payload = self.memory.save_draft(draft)
+        try:
+            payload = self.memory.save_draft(draft)
+        except (StoreError, OSError) as e:  # full or failing: the other tiers still get the unit
+            self._problem = f"{self.where()} cannot store {draft.pid}: {e}"
+            return draft.to_payload()
+        self._problem = None
         self._held(draft.pid, True)
         return payload
 
@@ -110,16 +127,29 @@ class LocalTier(Tier):
             self.memory.write_fingerprint(fingerprint_id, fingerprint)
 
     def on_step(self, step: int) -> float:
-        self.memory.write_progress(self.rank, step)
+        try:
+            self.memory.write_progress(self.rank, step)
+        except (StoreError, OSError) as e:
+            self._problem = f"{self.where()} cannot record progress: {e}"
         return 0.0
+
+    def degraded(self) -> Optional[str]:
+        if self._problem is None and self.budget_bytes and self.memory.bytes_held() > self.budget_bytes:
+            return (f"{self.where()} holds {self.memory.bytes_held() / 2**30:.2f} GiB, over "
+                    f"checkpoint.local.budget_gib={self.budget_bytes / 2**30:.2f}")
+        return self._problem
 
     def point(self) -> Optional[int]:
         with self._lock:
             return chain_end(set(self._bases), set(self._diffs))
 
-    def reclaim(self, watermark: int) -> None:
+    def reclaim(self, watermark: Optional[int]) -> None:
         held = [e.pid for e in self.memory.entries(replica=False, owner_rank=self.rank)]
-        delete_units(local_reclaim_set(held, watermark), lambda pid: self.delete(pid, self.rank), fault=self.fault)
+        keep = self.keep_bases
+        if self.budget_bytes and self.memory.bytes_held() > self.budget_bytes:
+            keep = 1  # over budget: only the newest base and its chain
+        below = node_memory_floor(watermark, retention_floor(held, keep))
+        delete_units(local_reclaim_set(held, below), lambda pid: self.delete(pid, self.rank), fault=self.fault)
 
     def metrics(self) -> dict:
         return {"tier1_bytes": self.memory.bytes_held()}

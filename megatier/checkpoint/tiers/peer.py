@@ -18,7 +18,7 @@ from typing import Optional
 from megatier.checkpoint.format.payload import EncodedPayload
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
-from megatier.checkpoint.reclaim.policy import local_reclaim_set
+from megatier.checkpoint.reclaim.policy import local_reclaim_set, node_memory_floor, retention_floor
 from megatier.checkpoint.tiers.base import NODE, TIER2, Copy, Listing, Tier
 from megatier.checkpoint.tiers.local import discard_area, list_area
 from megatier.checkpoint.tiers.node_memory import NodeMemory
@@ -31,9 +31,11 @@ class PeerTier(Tier):
 
     label, scope, lockstep = TIER2, NODE, True
 
-    def __init__(self, memory: NodeMemory, replicator: PeerReplicator, *, fault: FaultHook = no_faults):
+    def __init__(self, memory: NodeMemory, replicator: PeerReplicator, *, keep_bases: int = 2,
+                 fault: FaultHook = no_faults):
         self.memory = memory
         self.replicator = replicator
+        self.keep_bases = keep_bases
         self.fault = fault
         self._due: dict[str, EncodedPayload] = {}  # put this step, handed over at the tick
 
@@ -73,10 +75,11 @@ class PeerTier(Tier):
             return None
         return max(base.version, diff.last) if diff is not None else base.version
 
-    def reclaim(self, watermark: int) -> None:
+    def reclaim(self, watermark: Optional[int]) -> None:
         owner = self.replicator.owner
         held = [e.pid for e in self.memory.entries(replica=True, owner_rank=owner)]
-        delete_units(local_reclaim_set(held, watermark), lambda pid: self.delete(pid, owner), fault=self.fault)
+        below = node_memory_floor(watermark, retention_floor(held, self.keep_bases))
+        delete_units(local_reclaim_set(held, below), lambda pid: self.delete(pid, owner), fault=self.fault)
 
     def pending_bytes(self) -> int:
         return sum(p.stamp.size for p in self._due.values()) + self.replicator.status().pending_bytes

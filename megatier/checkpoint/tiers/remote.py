@@ -161,8 +161,15 @@ class RemoteTier(Tier):
     def durable_base(self) -> Optional[int]:
         return self.coordinator.newest_base()
 
-    def reclaim(self, watermark: int) -> None:
-        self.coordinator.set_watermark(watermark)
+    def reclaim(self, watermark: Optional[int]) -> None:
+        if watermark is not None:
+            self.coordinator.set_watermark(watermark)
+
+    def degraded(self) -> Optional[str]:
+        failing = self.uploader.failing_for()
+        if failing is None:
+            return None
+        return f"{self.where()} failing for {failing:.0f} s: {self.uploader.status().last_error}"
 
     def pending_bytes(self) -> int:
         return self.uploader.status().pending_bytes

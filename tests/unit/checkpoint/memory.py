@@ -81,9 +81,9 @@ class MemoryTier(Tier):
             return None
         return max((p.version for p in self.held() if p.kind == BASE), default=None)
 
-    def reclaim(self, watermark: int) -> None:
+    def reclaim(self, watermark: Optional[int]) -> None:
         self.watermarks.append(watermark)
-        if self.label != TIER3:
+        if self.label != TIER3 and watermark is not None:
             for pid in local_reclaim_set(self.held(), watermark):
                 self.delete(pid, self.rank)
 
