@@ -1,10 +1,14 @@
 """Named crash points for failure drills, armed by ``MEGATIER_CRASH_AT``.
 
-    MEGATIER_CRASH_AT=<point>:<step>[:<rank>]
+    MEGATIER_CRASH_AT=<point>:<step>[:<rank>][:stop][,<point>:<step>[:<rank>][:stop]...]
 
 kills this process with SIGKILL (no cleanup, no flush: a real crash) the first
 time code reaches ``point`` for a step or version at or after ``step``, on
-``rank`` only when given, else on every rank that gets there. Code calls a
+``rank`` only when given, else on every rank that gets there. With ``stop`` the
+process SIGSTOPs itself instead: a hung rank, which its peers must notice
+within their timeout. Several points
+may be armed at once (the first reached fires), e.g. a crash point that may not
+be reached and ``train.step_end`` as a backstop. Code calls a
 :data:`FaultHook` at each point (a :class:`FaultInjector`, or :func:`no_faults`
 in code paths built without one); when nothing is armed that is one
 comparison.
@@ -47,13 +51,21 @@ def no_faults(point: CrashPoint, step: int) -> None:
 
 
 @dataclass(frozen=True)
-class FaultInjector:
-    """Crashes this process at an armed point; a disarmed injector (``point is None``) does nothing."""
+class Armed:
+    """One armed crash: ``point`` at a step or version >= ``step``, on ``only_rank`` (None: any rank)."""
 
-    rank: int
-    point: Optional[CrashPoint] = None
+    point: CrashPoint
     step: int = 0
     only_rank: Optional[int] = None
+    stop: bool = False  # hang (SIGSTOP) instead of dying (SIGKILL)
+
+
+@dataclass(frozen=True)
+class FaultInjector:
+    """Crashes this process at an armed point; a disarmed injector (nothing armed) does nothing."""
+
+    rank: int
+    armed_points: tuple[Armed, ...] = ()
 
     @classmethod
     def from_env(cls, rank: int, environ: Optional[dict] = None) -> "FaultInjector":
@@ -61,30 +73,41 @@ class FaultInjector:
         spec = (environ if environ is not None else os.environ).get(ENV, "").strip()
         if not spec:
             return cls(rank)
-        parts = spec.split(":")
         names = ", ".join(p.value for p in CrashPoint)
-        usage = f"{ENV}={spec!r} is not <point>:<step>[:<rank>] with point one of {names}; fix or unset it"
-        try:
-            if len(parts) not in (2, 3):
-                raise ValueError
-            point = CrashPoint(parts[0])
-            step = int(parts[1])
-            only_rank = int(parts[2]) if len(parts) == 3 else None
-        except ValueError:
-            raise ValueError(usage) from None
-        return cls(rank, point, step, only_rank)
+        usage = (f"{ENV}={spec!r} is not <point>:<step>[:<rank>][:stop][,...] with point one of {names}; fix or "
+                 f"unset it")
+        armed = []
+        for item in spec.split(","):
+            parts = item.strip().split(":")
+            stop = parts[-1] == "stop"
+            parts = parts[:-1] if stop else parts
+            try:
+                if len(parts) not in (2, 3):
+                    raise ValueError
+                rank_part = int(parts[2]) if len(parts) == 3 else None
+                armed.append(Armed(CrashPoint(parts[0]), int(parts[1]), rank_part, stop))
+            except ValueError:
+                raise ValueError(usage) from None
+        return cls(rank, tuple(a for a in armed if a.only_rank in (None, rank)))
 
     @property
     def armed(self) -> bool:
-        return self.point is not None and (self.only_rank is None or self.only_rank == self.rank)
+        return bool(self.armed_points)
+
+    @property
+    def point(self) -> Optional[CrashPoint]:
+        """The first armed point (None when disarmed)."""
+        return self.armed_points[0].point if self.armed_points else None
 
     def hit(self, point: CrashPoint, step: int) -> None:
         """Crash here if ``point`` is armed for ``step`` (at or after the armed step) on this rank."""
-        if point != self.point or not self.armed or step < self.step:
+        hit = next((a for a in self.armed_points if a.point == point and step >= a.step), None)
+        if hit is None:
             return
-        sys.stderr.write(f"[megatier] {ENV}: rank {self.rank} crashing at {point} (step {step})\n")
+        what = "hanging" if hit.stop else "crashing"
+        sys.stderr.write(f"[megatier] {ENV}: rank {self.rank} {what} at {point} (step {step})\n")
         sys.stderr.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if hit.stop else signal.SIGKILL)
 
     # Mechanism code takes a plain FaultHook callable.
     __call__ = hit

@@ -91,7 +91,7 @@ def make_job(work: str, user_overrides: list[str], *, isolated: bool = False) ->
 
     ours = [f"checkpoint.local.root={work}/shm", f"checkpoint.remote.url={work}/remote",
             f"logging.run_dir={work}/run", f"checkpoint.job_id={'reference' if isolated else 'drill'}",
-            "logging.progress=false"]
+            "logging.progress=false"] + (["checkpoint.remote.endpoint_url=null"] if isolated else [])
     preset = [] if any(o.lstrip("+~").startswith("checkpoint=") for o in user_overrides) else ["checkpoint=tiered"]
     overrides = preset + (list(user_overrides) + ours if isolated else ours + list(user_overrides))
     cfg = compose_config(overrides)

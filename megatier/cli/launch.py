@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -73,6 +74,17 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _file_limit(size: int):
+    """A preexec function: files larger than ``size`` cannot be written (EFBIG instead of the default SIGXFSZ
+    kill), which the checkpoint tiers see as a full disk."""
+
+    def apply() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
+    return apply
+
+
 def _signal_group(pid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pid, sig)
@@ -84,7 +96,8 @@ class LocalCluster:
     """N torchrun agents on this host, each in its own session so signals reach it only through us."""
 
     def __init__(self, nodes: int, procs_per_node: int, script_args: list[str], *, port: Optional[int] = None,
-                 max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None):
+                 max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None,
+                 node_file_limit: Optional[dict[int, int]] = None):
         if nodes < 1 or procs_per_node < 1:
             raise ValueError(f"--nodes {nodes} and --procs-per-node {procs_per_node} must be >= 1")
         if not script_args:
@@ -95,6 +108,8 @@ class LocalCluster:
         self.run_id = f"megatier-{os.getpid()}-{self.port}"
         self.max_restarts = max_restarts
         self.node_env = node_env or {}  # extra environment of node i's agent and workers (fault drills)
+        # Largest file node i's processes may write, in bytes: a full disk for drills (writes fail with EFBIG).
+        self.node_file_limit = node_file_limit or {}
         self.agents: list[subprocess.Popen] = []
 
     def start(self) -> None:
@@ -102,7 +117,13 @@ class LocalCluster:
             cmd = agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node, node_rank=i,
                                 port=self.port, run_id=self.run_id, max_restarts=self.max_restarts)
             env = dict(os.environ, **self.node_env.get(i, {}), MEGATIER_NODE_NAME=f"node{i}")
-            self.agents.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+            limit = self.node_file_limit.get(i)
+            self.agents.append(subprocess.Popen(cmd, env=env, start_new_session=True,
+                                                preexec_fn=None if limit is None else _file_limit(limit)))
+
+    def workers(self, node: int) -> list[int]:
+        """The training processes of simulated node ``node`` (children of its agent)."""
+        return _children(self.agents[node].pid)
 
     def wait(self, *, fail_grace_s: float, poll_s: float = 0.2, timeout_s: Optional[float] = None) -> int:
         """Wait for every agent; returns the worst exit status (124 if ``timeout_s`` ran out first)."""

@@ -17,7 +17,19 @@ def test_disarmed_by_default():
                                                    ("replay.mid_batch:12:3", "replay.mid_batch", 12, 3)])
 def test_parse(spec, point, step, rank):
     f = FaultInjector.from_env(3, {ENV: spec})
-    assert (f.point, f.step, f.only_rank, f.armed) == (point, step, rank, True)
+    (a,) = f.armed_points
+    assert (a.point, a.step, a.only_rank, f.armed) == (point, step, rank, True)
+
+
+def test_several_points_the_first_reached_fires(monkeypatch):
+    kills = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append(sig))
+    f = FaultInjector.from_env(0, {ENV: "replay.mid_batch:0, train.step_end:40:0, gc.mid_delete:3:1"})
+    assert [str(a.point) for a in f.armed_points] == ["replay.mid_batch", "train.step_end"]  # rank 1's dropped
+    f.hit("train.step_end", 39)
+    assert kills == []
+    f.hit("train.step_end", 40)
+    assert kills == [signal.SIGKILL]
 
 
 @pytest.mark.parametrize("spec", ["nope:3", "t1.mid_write", "t1.mid_write:x", "t1.mid_write:1:2:3"])

@@ -125,8 +125,8 @@ class DirectoryStore(ObjectStore):
 
     def _wrap(self, e: OSError, what: str, key: str) -> StoreError:
         hint = "check free space, permissions and that the file system is mounted"
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            hint = "the file system is full; free space or lower retention"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            hint = "the file system is full (or a file-size limit is reached); free space or lower retention"
         return StoreUnavailable(f"{what} {self.describe(key)} failed: {e.strerror or e}; {hint}",
                                 transient=e.errno in (errno.EIO, errno.EAGAIN, errno.EINTR, errno.ESTALE))
 

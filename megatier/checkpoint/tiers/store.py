@@ -106,7 +106,7 @@ def check_key(key: str) -> str:
 class RetryPolicy:
     """Exponential backoff with full jitter: try ``attempts`` times, sleeping up to base*2^i (capped)."""
 
-    attempts: int = 5
+    attempts: int = 10  # throttling (503 SlowDown) can last seconds: be patient before giving up
     base_delay_s: float = 0.2
     max_delay_s: float = 10.0
 

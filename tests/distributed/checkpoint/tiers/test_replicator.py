@@ -24,7 +24,7 @@ from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.replicator import PeerReplicator
 from megatier.checkpoint.tiers.store import ObjectNotFound
-from megatier.faults import CrashPoint, FaultInjector, no_faults
+from megatier.faults import Armed, CrashPoint, FaultInjector, no_faults
 from megatier.parallel.layout import Layout
 from tests.distributed.world import _worker, run_world
 
@@ -203,7 +203,8 @@ def _stopped_hook(point: str, version: int) -> None:
 def _crashing_drive(rank, world, nodes, root, plan, kw):
     # Rank 0: the production injector, SIGKILL at its first t2.mid_chunk (after chunk 0 of base 0).
     # Rank 1: its replication thread stops there but the process lives on, silent: rank 3 must time out.
-    hook = _stopped_hook if rank == 1 else FaultInjector(rank, CrashPoint.T2_MID_CHUNK, 0, only_rank=0)
+    armed = (Armed(CrashPoint.T2_MID_CHUNK, 0),) if rank == 0 else ()
+    hook = _stopped_hook if rank == 1 else FaultInjector(rank, armed)
     out = _drive(rank, world, nodes, root, plan, fault_hook=hook, **kw)
     if rank == 1:
         time.sleep(kw["timeout_s"] + 1.5)

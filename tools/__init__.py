@@ -1,0 +1,1 @@
+"""Test tools (not part of MegaTier): fault injection for campaigns."""
