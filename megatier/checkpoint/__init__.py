@@ -32,6 +32,7 @@ out by stage, policy on top and mechanism below:
   commit/committer    phase 2: ``_COMMITTED`` once every rank's marker is in
   commit/coordinator  rank 0's thread: commits and Tier-3 reclamation in one place
   commit/reader       reading committed units back, verified
+  commit/lease        the owner lease on the job's Tier-3 prefix: one live writer per job
 
   recover/inventory   every tier's listing, gathered and merged the same way on every rank
   recover/consensus   base V and end E every rank reaches; the cheapest-first cascade order

@@ -4,6 +4,7 @@
     validation             validate(cfg, world_size): cross-field checks of every group, before any side effect
     checkpoint_validation  the checkpoint group's rules; the effective config on a given topology
     compose                register_configs (Hydra), compose_config (as pretrain_gpt.py), split_overrides
+    fingerprint            the settings that shape the training state, recorded with every checkpoint unit
 """
 from megatier.config.checkpoint_validation import (COMPRESSIONS, TIERS, CheckpointConfigWarning,
                                                    check_checkpoint_config, check_remote_url,
