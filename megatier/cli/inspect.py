@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatier.checkpoint.commit.reader import RemoteReader
-from megatier.checkpoint.commit.records import QUARANTINE, CommitError, DoneMarker, list_units, marker_key
+from megatier.checkpoint.commit.records import QUARANTINE, SUPERSEDED, CommitError, DoneMarker, list_units, marker_key
 from megatier.checkpoint.format.payload import PayloadError, verify_payload
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.node_memory import NodeMemory
@@ -114,21 +114,23 @@ def inspect_remote(store: ObjectStore, job_id: str) -> list[Row]:
 
 
 def inspect_quarantine(store: ObjectStore) -> list[Row]:
-    """Rows for every unit set aside under ``_quarantine/`` (corrupt when a restore read it; never loaded)."""
-    groups: dict[str, dict[str, int]] = {}
-    for key, size in store.list(QUARANTINE).items():
-        head, _, name = key[len(QUARANTINE):].rpartition("/")
-        groups.setdefault(head, {})[name] = size
+    """Rows for every unit set aside: ``_quarantine/`` (corrupt when a restore read it) and ``_superseded/``
+    (committed beyond a later launch's recovery point); neither is ever loaded."""
     rows = []
-    for head, objects in sorted(groups.items()):
-        dirname, _, when = head.rpartition("/")
-        pid = PayloadId.from_dirname(dirname)
-        try:
-            reason = store.get(f"{QUARANTINE}{head}/REASON").decode(errors="replace")
-        except StoreError:
-            reason = "no reason recorded"
-        rows.append(Row("Tier-3", f"{store.url} quarantine", "-", str(pid) if pid else dirname,
-                        sum(objects.values()), "-", f"quarantined {when}: {reason} (never loaded)"))
+    for area, label in ((QUARANTINE, "quarantined"), (SUPERSEDED, "superseded")):
+        groups: dict[str, dict[str, int]] = {}
+        for key, size in store.list(area).items():
+            head, _, name = key[len(area):].rpartition("/")
+            groups.setdefault(head, {})[name] = size
+        for head, objects in sorted(groups.items()):
+            dirname, _, when = head.rpartition("/")
+            pid = PayloadId.from_dirname(dirname)
+            try:
+                reason = store.get(f"{area}{head}/REASON").decode(errors="replace")
+            except StoreError:
+                reason = "no reason recorded"
+            rows.append(Row("Tier-3", f"{store.url} {label}", "-", str(pid) if pid else dirname,
+                            sum(objects.values()), "-", f"{label} {when}: {reason} (never loaded)"))
     return rows
 
 

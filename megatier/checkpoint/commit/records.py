@@ -162,13 +162,15 @@ def delete_unit(store: ObjectStore, keys: list[str]) -> None:
         store.delete(key)
 
 
-QUARANTINE = "_quarantine/"
+QUARANTINE = "_quarantine/"  # units that failed their checksum
+SUPERSEDED = "_superseded/"  # committed units a resumed launch left behind (beyond its recovery point)
 
 
-def quarantine_unit(store: ObjectStore, pid: PayloadId, keys: list[str], reason: str, when: str) -> str:
-    """Move one unit's objects aside to ``_quarantine/<unit>/<when>/`` (``_COMMITTED`` first, so it stops being
-    a recovery source before anything else moves) with a ``REASON`` note; returns the quarantine prefix."""
-    dest = f"{QUARANTINE}{pid.dirname}/{when}/"
+def set_aside(store: ObjectStore, pid: PayloadId, keys: list[str], reason: str, when: str,
+              area: str = QUARANTINE) -> str:
+    """Move one unit's objects aside to ``<area><unit>/<when>/`` (``_COMMITTED`` first, so it stops being a
+    recovery source before anything else moves) with a ``REASON`` note; returns that prefix."""
+    dest = f"{area}{pid.dirname}/{when}/"
     store.put(f"{dest}REASON", reason.encode())
     for key in sorted(keys, key=_deletion_order):
         store.put(dest + key.rpartition("/")[2], store.get(key))

@@ -24,12 +24,13 @@ from megatier.checkpoint.commit.lease import OwnerLease
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import (
     COMMITTED,
+    SUPERSEDED,
     CommitError,
     CommitRecord,
     commit_key,
     delete_unit,
     list_units,
-    quarantine_unit,
+    set_aside,
 )
 from megatier.checkpoint.commit.uploader import Uploader
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
@@ -204,7 +205,7 @@ class RemoteTier(Tier):
         if not keys:
             return None
         when = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        dest = quarantine_unit(self.store, pid, keys, reason, when)
+        dest = set_aside(self.store, pid, keys, reason, when)
         log.warning("Tier-3 %s failed its checksum and was quarantined to %s: %s", pid, self.store.describe(dest),
                     reason)
         return dest
@@ -222,13 +223,22 @@ class RemoteTier(Tier):
             log.warning("Tier-3 at %s: pending units left uncommitted before recovery: %s", self.store.url, e)
 
     def discard_after(self, end: int) -> list[str]:
-        """Delete uncommitted units after ``end`` (crashed attempts); committed ones stay, with a warning."""
+        """Delete uncommitted units after ``end`` (crashed attempts), and set committed ones aside.
+
+        A committed unit beyond the recovery point is unreachable (a gap or a corrupt unit lies before it), and
+        it belongs to an earlier incarnation whose future the resumed run replaces: were it kept, its
+        ``_COMMITTED`` would block the resumed run's own unit of the same steps, and a later restore could chain
+        one incarnation's units after another's. So it moves to ``_superseded/`` (kept for inspection, never
+        offered again), and the lineage of every chain stays one run's."""
         units = list_units(self.store)
-        doomed = set()
-        for pid in beyond_end(units, end):
-            if units[pid].committed:
-                log.warning("Tier-3 %s is committed but lies beyond the recovery point E=%d; kept", pid, end)
-            else:
-                doomed.add(pid)
+        beyond = beyond_end(units, end)
+        doomed = {pid for pid in beyond if not units[pid].committed}
         gone = delete_units(doomed, lambda pid: delete_unit(self.store, list(units[pid].objects)))
-        return [f"Tier-3 {pid}" for pid in gone]
+        when = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        for pid in sorted(beyond - doomed, key=lambda p: (p.last, p.kind)):
+            dest = set_aside(self.store, pid, list(units[pid].objects),
+                             f"{pid} was committed beyond the recovery point E={end} of a later launch", when,
+                             area=SUPERSEDED)
+            log.warning("Tier-3 %s lies beyond the recovery point E=%d: set aside to %s", pid, end,
+                        self.store.describe(dest))
+        return [f"Tier-3 {pid}" for pid in gone] + [f"Tier-3 {pid} (superseded)" for pid in beyond - doomed]

@@ -8,7 +8,7 @@ import torch
 
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import QUARANTINE, list_units
-from megatier.checkpoint.format.payload import BaseState, encode_base
+from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.remote import RemoteTier, list_committed
@@ -53,3 +53,24 @@ def test_quarantine_then_repair_from_a_surviving_copy(tmp_path):
     assert RemoteReader(store, payload.stamp.job_id).load(B10, 0).data == payload.data
     tier.drain(11, 5.0)
     tier.close(5.0)
+
+
+def _diff(first: int, last: int):
+    steps = [DiffStep(s, 1e-3, s, False, {"g": torch.ones(3)}, {}) for s in range(first, last + 1)]
+    return encode_diff_batch(steps, job_id="job1", layout=Layout(1, 1, 1, 0, 0, 0))
+
+
+def test_committed_units_beyond_the_recovery_point_are_set_aside_not_kept(tmp_path):
+    """A later launch that resumes at E retires an earlier incarnation's unreachable future: its commit no
+    longer blocks the new run's unit of the same steps, and no chain can mix the two."""
+    store = DirectoryStore(str(tmp_path / "t3"), fsync=False)
+    tier = RemoteTier(store, job_id="job1", rank=0, world_size=1, incarnation="a", keep_bases=2)
+    tier.start()
+    for payload in (_base(0), _diff(1, 5), _diff(11, 15)):  # 6-10 never made it: 11-15 is unreachable
+        tier.put(payload)
+    _wait_committed(store, PayloadId.diff(11, 15))
+    tier.drain(16, 5.0)
+    tier.close(5.0)
+    assert tier.discard_after(5) == ["Tier-3 diff v11-15 (superseded)"]
+    assert PayloadId.diff(11, 15) not in list_units(store)
+    assert [r.status.split(":")[0] for r in inspect_quarantine(store)][0].startswith("superseded")
