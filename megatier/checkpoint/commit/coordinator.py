@@ -22,7 +22,7 @@ import time
 from typing import Optional
 
 from megatier.checkpoint.commit.committer import Committer
-from megatier.checkpoint.commit.records import delete_unit, list_units
+from megatier.checkpoint.commit.records import delete_unit, list_units, set_aside_units
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
@@ -37,10 +37,16 @@ log = logging.getLogger(__name__)
 def reclaim_remote(store: ObjectStore, watermark: int, keep_bases: int) -> list[PayloadId]:
     """Delete the Tier-3 units ``watermark`` made obsolete (run in the thread that commits, so a unit is
     never committed while its objects go). Lists anew: units committed this round carry a commit record,
-    which must go first."""
+    which must go first. Units set aside (quarantined, superseded) are kept for inspection until the
+    watermark passes them, so those areas stay bounded however many relaunches a run goes through."""
     units = list_units(store)
     doomed = remote_reclaim_set({p: u.committed for p, u in units.items()}, watermark, keep_bases)
-    return delete_units(doomed, lambda pid: delete_unit(store, list(units[pid].objects)))
+    gone = delete_units(doomed, lambda pid: delete_unit(store, list(units[pid].objects)))
+    for pid, keys in set_aside_units(store).items():
+        if pid.last < watermark:
+            for key in keys:
+                store.delete(key)
+    return gone
 
 
 class Coordinator:

@@ -166,6 +166,17 @@ QUARANTINE = "_quarantine/"  # units that failed their checksum
 SUPERSEDED = "_superseded/"  # committed units a resumed launch left behind (beyond its recovery point)
 
 
+def set_aside_units(store: ObjectStore) -> dict[PayloadId, list[str]]:
+    """Every unit in the set-aside areas (quarantined or superseded, any number of times) -> its keys."""
+    out: dict[PayloadId, list[str]] = {}
+    for area in (QUARANTINE, SUPERSEDED):
+        for key in store.list(area):
+            pid = PayloadId.from_dirname("/".join(key[len(area):].split("/")[:2]))
+            if pid is not None:
+                out.setdefault(pid, []).append(key)
+    return out
+
+
 def set_aside(store: ObjectStore, pid: PayloadId, keys: list[str], reason: str, when: str,
               area: str = QUARANTINE) -> str:
     """Move one unit's objects aside to ``<area><unit>/<when>/`` (``_COMMITTED`` first, so it stops being a

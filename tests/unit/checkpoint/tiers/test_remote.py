@@ -6,8 +6,9 @@ import time
 import pytest
 import torch
 
+from megatier.checkpoint.commit.coordinator import reclaim_remote
 from megatier.checkpoint.commit.reader import RemoteReader
-from megatier.checkpoint.commit.records import QUARANTINE, list_units
+from megatier.checkpoint.commit.records import QUARANTINE, SUPERSEDED, list_units, set_aside
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.directory import DirectoryStore
@@ -74,3 +75,21 @@ def test_committed_units_beyond_the_recovery_point_are_set_aside_not_kept(tmp_pa
     assert tier.discard_after(5) == ["Tier-3 diff v11-15 (superseded)"]
     assert PayloadId.diff(11, 15) not in list_units(store)
     assert [r.status.split(":")[0] for r in inspect_quarantine(store)][0].startswith("superseded")
+
+
+def test_set_aside_units_are_reclaimed_once_the_watermark_passes_them(tmp_path):
+    store = DirectoryStore(str(tmp_path / "t3"), fsync=False)
+    tier = RemoteTier(store, job_id="job1", rank=0, world_size=1, incarnation="a", keep_bases=2)
+    tier.start()
+    for payload in (_base(0), _diff(11, 15), _base(20), _diff(31, 35)):
+        tier.put(payload)
+    for pid in (PayloadId.diff(11, 15), PayloadId.base(20), PayloadId.diff(31, 35)):
+        _wait_committed(store, pid)
+    tier.drain(36, 5.0)
+    tier.close(5.0)
+    units = list_units(store)
+    for pid in (PayloadId.diff(11, 15), PayloadId.diff(31, 35)):
+        set_aside(store, pid, list(units[pid].objects), "test", "t0", area=SUPERSEDED)
+    reclaim_remote(store, 20, keep_bases=2)
+    left = {k.split("/")[2] for k in store.list(SUPERSEDED)}
+    assert left == {"v00000031-00000035"}, left  # 11-15 is behind the watermark, 31-35 is not
