@@ -30,6 +30,7 @@ class CrashPoint(str, enum.Enum):
 
     T1_MID_WRITE = "t1.mid_write"  # a Tier-1 payload written, its stamp not: the unit stays invisible
     T2_MID_CHUNK = "t2.mid_chunk"  # a paced base replica half sent: the receiver discards it
+    T2_MID_RECORD = "t2.mid_record"  # a diff batch or step unit announced to the peer, its bytes not sent
     T3_BEFORE_MARKER = "t3.before_marker"  # a rank's Tier-3 object uploaded, its done marker not: no commit
     T3_BEFORE_COMMIT = "t3.before_commit"  # every marker in, ``_COMMITTED`` not written: no commit
     T3_AFTER_COMMIT = "t3.after_commit_before_watermark"  # committed on Tier-3, the watermark not yet advanced

@@ -9,7 +9,11 @@ The trainer calls three things (the :class:`~megatier.checkpoint.checkpointer.Ch
 What and when (the tiers move the bytes, see :mod:`.tiers.base`):
 - every step: the consumed gradient is compressed (in the loop, see after_step)
   and the record goes to the save thread (differential stream); every
-  ``diff.batch`` steps the open batch closes;
+  ``diff.batch`` steps the open batch closes; with ``diff.per_step`` the
+  record of every other step is also a step unit of its own, on Tier-1 as
+  soon as the save thread writes it and on Tier-2 one tick later, so a
+  failure loses at most the step in flight (two for a node failure), not the
+  open batch;
 - at the anchor (0 on a fresh start, E after a recovery) and every
   ``base_interval`` steps after it: a snapshot of the shard goes to the save
   thread (base stream);
@@ -33,7 +37,7 @@ import time
 from typing import Optional
 
 from megatier.checkpoint.context import CheckpointContext
-from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.format.units import STEP, PayloadId
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
@@ -86,8 +90,10 @@ class CheckpointManager:
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
+        self._step_units = self.cfg.diff.per_step and any(t.takes_steps for t in ctx.tiers)
         self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in ctx.tiers if not t.lockstep],
-                                 keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
+                                 keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id,
+                                 step_units=self._step_units, inline=inline)
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -142,6 +148,8 @@ class CheckpointManager:
         handoff, self._handoff = self._handoff, []
         if closes:
             self._handoff.append(PayloadId.diff(step - self.cfg.diff.batch + 1, step))
+        elif self._step_units:
+            self._handoff.append(PayloadId.step(step))
         if since % self.cfg.base_interval == 0:
             self.worker.submit_base(self.shard.capture_base(step))
             self._handoff.append(PayloadId.base(step))
@@ -159,7 +167,8 @@ class CheckpointManager:
         for pid in pids:
             payload = self.worker.take(pid, self.ctx.timeout_s)
             for tier in self._lockstep:
-                tier.put(payload)
+                if pid.kind != STEP or tier.takes_steps:
+                    tier.put(payload)
         return time.perf_counter() - t0
 
     def _tick(self, step: int, handoff: list[PayloadId]) -> float:

@@ -22,10 +22,10 @@ The drill then reads each recovery record from the run's metrics.jsonl and
 checks it against what the class requires:
 
   software  every rank served from its own node's memory (Tier-1), zero bytes from
-            Tier-3, at most one diff batch of steps lost;
+            Tier-3, at most one step lost (one diff batch without diff.per_step);
   node      the victim node's ranks from Tier-2 (their replicas on the ring peer),
-            every other rank from Tier-1, zero bytes from Tier-3, at most one diff
-            batch lost;
+            every other rank from Tier-1, zero bytes from Tier-3, at most two steps
+            lost (one diff batch without diff.per_step);
   rack      every rank from Tier-3.
 
 With ``--compare`` it also runs the same job without a failure (in its own
@@ -74,6 +74,7 @@ class Job:
     iters: int = 0
     batch: int = 0
     compression: str = ""
+    per_step: bool = True
 
     @property
     def tier1_root(self) -> str:
@@ -100,7 +101,7 @@ def make_job(work: str, user_overrides: list[str], *, isolated: bool = False) ->
         raise SystemExit("failure_drill: the overrides turn checkpointing off (checkpoint.enabled=false); a drill "
                          "needs it on")
     return Job(work, overrides, c.job_id, c.local.root, cfg.logging.run_dir, cfg.train.iters, c.diff.batch,
-               c.diff.compression)
+               c.diff.compression, c.diff.per_step)
 
 
 def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None) -> int:

@@ -28,6 +28,17 @@ def victims(args) -> list[int]:
     return list(range(args.nodes)) if args.fail == "rack" else [args.victim]
 
 
+def max_steps_lost(fail: str, job: Job) -> Optional[int]:
+    """What a failure class may lose: with step units, the step in flight (software) or the steps in flight to
+    the ring peer too (node); without them, the open diff batch. A rack failure keeps the Tier-3 bound (None
+    here: it depends on how far Tier-3 is behind)."""
+    if fail == "rack":
+        return None
+    if not job.per_step:
+        return job.batch
+    return 1 if fail == "software" else 2
+
+
 def check_recovery(args, job: Job, rec: Recovery) -> None:
     """Compare one recovery record with what its failure class requires; problems make the drill fail."""
     r = rec.record
@@ -38,9 +49,10 @@ def check_recovery(args, job: Job, rec: Recovery) -> None:
     r["steps_lost_drill"] = lost  # from the step the drill killed at (Tier-1 progress may be wiped)
     tiers, nodes = r.get("rank_tiers") or [], r.get("rank_nodes") or []
     lost_nodes = {f"node{i}" for i in victims(args)}
-    if args.fail in ("software", "node") and lost > job.batch:
+    bound = max_steps_lost(args.fail, job)
+    if bound is not None and lost > bound:
         rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a "
-                            f"{args.fail} failure may lose at most one diff batch ({job.batch})")
+                            f"{args.fail} failure may lose at most {bound}")
     if args.fail == "rack":
         wrong = [q for q, t in enumerate(tiers) if t != [TIER3]]
         if wrong or r["failure_class"] != "rack":
@@ -99,7 +111,8 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
                             for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], r.get("rank_nodes") or [])))
         lines += [
             f"    class {r['failure_class']} (injected {args.fail}); base V={r['version']}, replayed to E={r['end']}, "
-            f"steps lost {r.get('steps_lost_drill')} (at most {job.batch} for software/node)",
+            f"steps lost {r.get('steps_lost_drill')}" + (f" (at most {bound})" if (bound := max_steps_lost(
+                args.fail, job)) is not None else ""),
             f"    source tier per rank: {sources}",
             f"    bases by tier: {r['source_tiers']}; bytes read tier1 {_mib(r['bytes_tier1'])}, tier2 "
             f"{_mib(r['bytes_tier2'])}, tier3 {_mib(r['bytes_tier3'])}",

@@ -111,8 +111,11 @@ class TrainConfig:
 class DiffStreamConfig:
     """Differential stream: every step's gradient shard, compressed, saved N steps per batch."""
 
-    # N consecutive steps per diff batch, the unit of saving and replay.
+    # N consecutive steps per diff batch, the unit of Tier-3 upload, commit and fused replay.
     batch: int = 5
+    # Also store each step's record on Tier-1 and send it to the ring peer at once, so a failure loses at
+    # most the step in flight, not the open batch (the step units are dropped when their batch is written).
+    per_step: bool = True
     compression: str = "adaptive"  # adaptive | int8 | topk | bf16 | fp32 (fp32 replays bit for bit)
     topk_ratio: float = 0.01
     # adaptive: segments with fewer elements than this use blockwise INT8, larger ones top-k.

@@ -144,7 +144,8 @@ def _crash(point: str) -> FaultType:
 
 
 CATALOGUE: dict[str, FaultType] = {f.name: f for f in [
-    _crash("t1.mid_write"), _crash("t2.mid_chunk"), _crash("t3.before_marker"), _crash("t3.before_commit"),
+    _crash("t1.mid_write"), _crash("t2.mid_chunk"), _crash("t2.mid_record"), _crash("t3.before_marker"),
+    _crash("t3.before_commit"),
     _crash("t3.after_commit_before_watermark"), _crash("gc.mid_delete"), _crash("replay.mid_batch"),
     FaultType("software", "SIGKILL of one node's processes after a step"),
     FaultType("node", "a node lost: its processes killed and its memory wiped", wipe="node"),

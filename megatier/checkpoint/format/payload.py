@@ -32,7 +32,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
 from megatier.checkpoint.tiers.store import Buffer
 from megatier.parallel.layout import Layout
 
@@ -253,9 +253,10 @@ def draft_base(state: BaseState, *, job_id: str, layout: Layout, fingerprint: st
     return _draft(PayloadId.base(state.version), tensors, meta, job_id, layout, fingerprint)
 
 
-def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout,
-                     fingerprint: str = "") -> PayloadDraft:
-    """N consecutive steps' records as one diff batch, ready to serialize."""
+def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout, fingerprint: str = "",
+                     step_unit: bool = False) -> PayloadDraft:
+    """N consecutive steps' records as one diff batch, ready to serialize; ``step_unit``: one step's record as
+    its own unit (``step/v…``, node memory only) while its batch is open."""
     if not steps:
         raise ValueError("a diff batch needs at least one step")
     first = steps[0].step
@@ -268,7 +269,10 @@ def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout,
         tensors.update({f"s{s.step}/{name}": _host(t) for name, t in s.tensors.items()})
         records.append({"step": s.step, "lr": s.lr, "adam_step": s.adam_step, "skipped": bool(s.skipped),
                         "header": s.header, "tensors": sorted(s.tensors)})
-    return _draft(PayloadId.diff(first, steps[-1].step), tensors, {"steps": records}, job_id, layout, fingerprint)
+    if step_unit and len(steps) != 1:
+        raise ValueError(f"a step unit holds one step's record, got steps {[x.step for x in steps]}")
+    pid = PayloadId.step(first) if step_unit else PayloadId.diff(first, steps[-1].step)
+    return _draft(pid, tensors, {"steps": records}, job_id, layout, fingerprint)
 
 
 def encode_base(state: BaseState, *, job_id: str, layout: Layout, fingerprint: str = "") -> EncodedPayload:
@@ -302,7 +306,7 @@ def read_metadata(data: bytes, source: str) -> dict:
     return meta
 
 
-def _open(payload: EncodedPayload, kind: str, job_id: str, layout: Layout,
+def _open(payload: EncodedPayload, kinds: tuple[str, ...], job_id: str, layout: Layout,
           source: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """Metadata and tensors of ``payload`` after checking who and what it is."""
     stamp = payload.stamp
@@ -311,8 +315,9 @@ def _open(payload: EncodedPayload, kind: str, job_id: str, layout: Layout,
         pid, owner, shard = PayloadId.from_dict(meta), meta["job_id"], Layout.from_dict(meta["layout"])
     except (KeyError, TypeError, ValueError) as e:
         raise PayloadError(f"{source}: payload metadata lacks its identity ({type(e).__name__}: {e})") from e
-    if pid != stamp.pid or pid.kind != kind:
-        raise PayloadError(f"{source}: holds {pid}, expected a {kind} matching its stamp ({stamp.pid})")
+    if pid != stamp.pid or pid.kind not in kinds:
+        raise PayloadError(f"{source}: holds {pid}, expected a {' or '.join(kinds)} matching its stamp "
+                           f"({stamp.pid})")
     for what, got, stamped, want in (("job", owner, stamp.job_id, job_id), ("layout", shard, stamp.layout, layout)):
         if got != want or stamped != want:
             raise PayloadError(f"{source}: belongs to {what} {got} (stamp: {stamped}), expected {want}; it is "
@@ -327,7 +332,7 @@ def _open(payload: EncodedPayload, kind: str, job_id: str, layout: Layout,
 
 def decode_base(payload: EncodedPayload, *, job_id: str, layout: Layout, source: str) -> BaseState:
     """Rebuild a BaseState; raises PayloadError naming ``source`` on any mismatch."""
-    meta, tensors = _open(payload, BASE, job_id, layout, source)
+    meta, tensors = _open(payload, (BASE,), job_id, layout, source)
     try:
         rng = {name: tensors[f"rng/{name}"] for name in meta["rng"]}
         return BaseState(payload.stamp.pid.version, int(meta["adam_steps"]), tensors["master"], tensors["exp_avg"],
@@ -339,8 +344,9 @@ def decode_base(payload: EncodedPayload, *, job_id: str, layout: Layout, source:
 
 def decode_diff_batch(payload: EncodedPayload, *, job_id: str, layout: Layout,
                       source: str) -> list[DiffStep]:
-    """Rebuild the batch's DiffSteps in step order; raises PayloadError naming ``source`` on any mismatch."""
-    meta, tensors = _open(payload, DIFF, job_id, layout, source)
+    """Rebuild the batch's (or step unit's) DiffSteps in step order; raises PayloadError naming ``source`` on any
+    mismatch."""
+    meta, tensors = _open(payload, (DIFF, STEP), job_id, layout, source)
     pid = payload.stamp.pid
     try:
         steps = [DiffStep(int(r["step"]), float(r["lr"]), int(r["adam_step"]), bool(r["skipped"]),

@@ -1,11 +1,14 @@
 """Identity of a checkpoint unit and the names every tier derives from it.
 
-A *unit* is what one rank saves as one payload: a base at version v, or a diff
-batch covering steps first..last (inclusive). Every tier names a unit the same
-way, so an inventory from Tier-1, Tier-2 and Tier-3 can be compared directly::
+A *unit* is what one rank saves as one payload: a base at version v, a diff
+batch covering steps first..last (inclusive), or the diff record of one step
+of a batch still open (node memory only: it makes the step durable at once and
+is deleted when its batch is written). Every tier names a unit the same way, so
+an inventory from Tier-1, Tier-2 and Tier-3 can be compared directly::
 
     base/v00000050            base at version 50
     diff/v00000046-00000050   diff batch of steps 46..50
+    step/v00000047            step 47's record, while batch 46..50 is open
 
 Versions are zero-padded to 8 digits so lexicographic order is numeric order
 for any run shorter than 10^8 steps.
@@ -18,26 +21,28 @@ from typing import Optional
 
 BASE = "base"
 DIFF = "diff"
-_DIRNAME = re.compile(r"^(base)/v(\d{8})$|^(diff)/v(\d{8})-(\d{8})$")
+STEP = "step"
+_DIRNAME = re.compile(r"^(base|step)/v(\d{8})$|^(diff)/v(\d{8})-(\d{8})$")
 _RANK = re.compile(r"^rank(\d{5})$")
-_TEXT = re.compile(r"^base v(\d+)$|^diff v(\d+)-(\d+)$")
+_TEXT = re.compile(r"^(base|step) v(\d+)$|^diff v(\d+)-(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class PayloadId:
-    """One unit: ``kind`` is "base" (first == last == version) or "diff" (steps first..last)."""
+    """One unit: ``kind`` is "base" (first == last == version), "diff" (steps first..last) or "step" (one step,
+    first == last)."""
 
     kind: str
     first: int
     last: int
 
     def __post_init__(self) -> None:
-        if self.kind not in (BASE, DIFF):
-            raise ValueError(f"payload kind must be {BASE!r} or {DIFF!r}, got {self.kind!r}")
+        if self.kind not in (BASE, DIFF, STEP):
+            raise ValueError(f"payload kind must be {BASE!r}, {DIFF!r} or {STEP!r}, got {self.kind!r}")
         if not 0 <= self.first <= self.last < 10**8:
             raise ValueError(f"payload range {self.first}..{self.last} must satisfy 0 <= first <= last < 10^8")
-        if self.kind == BASE and self.first != self.last:
-            raise ValueError(f"a base has one version, got {self.first}..{self.last}")
+        if self.kind != DIFF and self.first != self.last:
+            raise ValueError(f"a {self.kind} has one version, got {self.first}..{self.last}")
 
     @classmethod
     def base(cls, version: int) -> "PayloadId":
@@ -47,6 +52,15 @@ class PayloadId:
     def diff(cls, first: int, last: int) -> "PayloadId":
         return cls(DIFF, first, last)
 
+    @classmethod
+    def step(cls, step: int) -> "PayloadId":
+        return cls(STEP, step, step)
+
+    @property
+    def replays(self) -> bool:
+        """Whether the unit holds gradients to replay (a diff batch or a step record), not a base."""
+        return self.kind != BASE
+
     @property
     def version(self) -> int:
         """The state version this unit brings the shard to (the last step it covers)."""
@@ -54,18 +68,18 @@ class PayloadId:
 
     @property
     def dirname(self) -> str:
-        if self.kind == BASE:
-            return f"base/v{self.last:08d}"
-        return f"diff/v{self.first:08d}-{self.last:08d}"
+        if self.kind == DIFF:
+            return f"diff/v{self.first:08d}-{self.last:08d}"
+        return f"{self.kind}/v{self.last:08d}"
 
     @classmethod
     def from_dirname(cls, name: str) -> Optional["PayloadId"]:
-        """Parse ``base/vNNNNNNNN`` or ``diff/vNNNNNNNN-NNNNNNNN``; None for anything else."""
+        """Parse ``base/vNNNNNNNN``, ``step/vNNNNNNNN`` or ``diff/vNNNNNNNN-NNNNNNNN``; None for anything else."""
         m = _DIRNAME.match(name)
         if m is None:
             return None
         if m.group(1):
-            return cls.base(int(m.group(2)))
+            return cls(m.group(1), int(m.group(2)), int(m.group(2)))
         first, last = int(m.group(4)), int(m.group(5))
         return cls.diff(first, last) if first <= last else None
 
@@ -77,15 +91,17 @@ class PayloadId:
         return cls(str(d["kind"]), int(d["first"]), int(d["last"]))
 
     def __str__(self) -> str:
-        return f"base v{self.last}" if self.kind == BASE else f"diff v{self.first}-{self.last}"
+        return f"diff v{self.first}-{self.last}" if self.kind == DIFF else f"{self.kind} v{self.last}"
 
     @classmethod
     def parse(cls, text: str) -> "PayloadId":
-        """Inverse of ``str()``: ``base v8`` or ``diff v9-10``; ValueError for anything else."""
+        """Inverse of ``str()``: ``base v8``, ``step v9`` or ``diff v9-10``; ValueError for anything else."""
         m = _TEXT.match(text)
         if m is None:
-            raise ValueError(f"{text!r} is not a unit (expected 'base vN' or 'diff vA-B')")
-        return cls.base(int(m.group(1))) if m.group(1) else cls.diff(int(m.group(2)), int(m.group(3)))
+            raise ValueError(f"{text!r} is not a unit (expected 'base vN', 'step vN' or 'diff vA-B')")
+        if m.group(1):
+            return cls(m.group(1), int(m.group(2)), int(m.group(2)))
+        return cls.diff(int(m.group(3)), int(m.group(4)))
 
 
 def rank_name(rank: int) -> str:

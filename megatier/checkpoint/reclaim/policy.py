@@ -5,7 +5,7 @@ learned of (the caller computes it and keeps it monotonic). The recovery point
 at any time is some committed base V >= W plus a diff chain after it, so:
 
 - Tier-1/Tier-2 (:func:`local_reclaim_set`): delete bases older than W and diff
-  batches ending at or before W. Base W, newer bases and every diff batch that
+  batches (and step units) ending at or before W. Base W, newer bases and every diff batch that
   reaches past W stay. Node memory does not wait for Tier-3 forever: it also
   reclaims below its own ``keep_bases``-th newest base (:func:`retention_floor`),
   so an outage of Tier-3 never grows it without bound, and the software and
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
 
-from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.format.units import BASE, PayloadId
 
 
 def local_reclaim_set(held: Iterable[PayloadId], watermark: Optional[int]) -> set[PayloadId]:
@@ -35,7 +35,7 @@ def local_reclaim_set(held: Iterable[PayloadId], watermark: Optional[int]) -> se
     if watermark is None:
         return set()
     return {p for p in held
-            if (p.kind == BASE and p.version < watermark) or (p.kind == DIFF and p.last <= watermark)}
+            if (p.kind == BASE and p.version < watermark) or (p.replays and p.last <= watermark)}
 
 
 def remote_reclaim_set(units: Mapping[PayloadId, bool], watermark: Optional[int],

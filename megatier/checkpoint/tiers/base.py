@@ -3,7 +3,7 @@
 The manager and recovery hold the job's tiers as one list, cheapest first
 (Tier-1 node memory, Tier-2 the ring peer's memory, Tier-3 remote storage);
 the recovery cascade tries copies in that order. Each tier implements four
-operations on units (a base or a diff batch of one rank):
+operations on units (a base, a diff batch or a step unit of one rank):
 
     put(payload)        take a finished unit (the save thread calls it, in unit order)
     list()              what this tier holds, as Copies (the inventory at restore)
@@ -18,6 +18,10 @@ Who calls ``put``: the save thread, as soon as a unit is serialized, for most
 tiers. A *lockstep* tier (Tier-2, whose transfers pair up across ranks) gets
 each unit from the loop's thread instead, one step after the unit finished,
 at the same step on every rank.
+
+Step units (one step's record while its batch is open) go only to tiers that
+take them (``takes_steps``: node memory, Tier-1 and Tier-2); Tier-3 stores
+whole batches, its unit of upload and commit.
 
 Scope says who lists a tier at restore: a ``NODE`` tier is one node's memory,
 the same for every rank on the node, so the node's lowest rank (its *server*)
@@ -99,6 +103,7 @@ class Tier(abc.ABC):
     label: str  # TIER1 | TIER2 | TIER3
     scope: str  # NODE | JOB
     lockstep: bool = False  # units arrive from the loop's thread in lockstep (see the module docstring)
+    takes_steps: bool = False  # step units are put here too, not only bases and diff batches
 
     # ---- units -------------------------------------------------------------------------------
 

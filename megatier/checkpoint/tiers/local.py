@@ -20,7 +20,7 @@ from typing import Optional
 
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError
-from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set, node_memory_floor, retention_floor
 from megatier.checkpoint.tiers.base import NODE, TIER1, Copy, Listing, Tier
@@ -33,7 +33,10 @@ def list_area(memory: NodeMemory, label: str, *, replica: bool) -> Listing:
     """Every owner's complete units in one kind of area of ``memory`` (own: Tier-1, replica: Tier-2)."""
     entries = memory.entries(replica=replica)
     copies = [Copy(s, label, memory.node) for s in memory.list(replica=replica)]
-    return Listing(copies=copies, traces=bool(entries), incomplete=sum(1 for e in entries if not e.complete))
+    torn = [e for e in entries if not e.complete]
+    notes = [f"{memory.node} {'replica' if replica else 'own'} area: {e.pid} of rank {e.owner_rank} is incomplete "
+             f"(its write was cut short), ignored" for e in torn]
+    return Listing(copies=copies, traces=bool(entries), incomplete=len(torn), notes=notes)
 
 
 def discard_area(memory: NodeMemory, end: int, *, replica: bool) -> list[str]:
@@ -54,7 +57,7 @@ def discard_area(memory: NodeMemory, end: int, *, replica: bool) -> list[str]:
 class LocalTier(Tier):
     """Tier-1 of rank ``rank``: its own area in ``memory``, this node's."""
 
-    label, scope = TIER1, NODE
+    label, scope, takes_steps = TIER1, NODE, True
 
     def __init__(self, memory: NodeMemory, rank: int, *, keep_bases: int = 2, budget_bytes: int = 0,
                  fault: FaultHook = no_faults):
@@ -119,6 +122,8 @@ class LocalTier(Tier):
             group = self._bases if pid.kind == BASE else self._diffs
             key = pid.version if pid.kind == BASE else pid
             (group.add if present else group.discard)(key)
+            if present and pid.kind == DIFF:  # node memory dropped the step units the batch covers
+                self._diffs.difference_update(PayloadId.step(s) for s in range(pid.first, pid.last + 1))
 
     # ---- save path ---------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
     own/rank00003/base/v00000050.json                   its stamp (size, xxh64, job, layout)
     own/rank00003/diff/v00000046-00000050.safetensors   rank 3's diff batch of steps 46..50
     own/rank00003/diff/v00000046-00000050.json
+    own/rank00003/step/v00000052.safetensors            step 52's record while batch 51..55 is open
+    own/rank00003/step/v00000052.json
     replica/rank00001/base/v00000050.safetensors        rank 1's replica, held here (Tier-2)
     replica/rank00001/base/v00000050.json
     progress/rank00003                                  the newest step rank 3 reached (steps lost)
@@ -19,6 +21,9 @@ Invariants:
   (atomically) first, the stamp last; a re-save removes the old stamp before
   touching the data. A crash anywhere leaves the payload either complete and
   valid, or without a stamp and therefore invisible.
+- A diff batch, once complete, makes the step units it covers redundant: the
+  save removes them (a crash in between leaves both; the chain walk prefers
+  the batch and reclamation removes the rest).
 - Each area (``own/rankR``, ``replica/rankO``) has one writer: rank R, or the
   holder of O's replica. So a rank may sweep its own areas' leftovers without
   racing other processes on the node.
@@ -34,7 +39,7 @@ from typing import Optional
 import xxhash
 
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.format.units import PayloadId, check_path_component, parse_rank_name, rank_name
+from megatier.checkpoint.format.units import DIFF, PayloadId, check_path_component, parse_rank_name, rank_name
 from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
 from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
@@ -111,6 +116,7 @@ class NodeMemory:
         self.store.put(data_key, payload.data)
         self.fault_hook(CrashPoint.T1_MID_WRITE, stamp.pid.version)
         self.store.put(stamp_key, stamp.to_json())
+        self._drop_covered_steps(stamp.rank, stamp.pid, replica)
 
     def save_draft(self, draft: PayloadDraft) -> EncodedPayload:
         """Serialize ``draft`` straight into its rank's own area; atomic as :meth:`save`.
@@ -125,7 +131,14 @@ class NodeMemory:
         payload = EncodedPayload(data, draft.stamp(data), source)
         self.fault_hook(CrashPoint.T1_MID_WRITE, draft.pid.version)
         self.store.put(stamp_key, payload.stamp.to_json())
+        self._drop_covered_steps(draft.layout.rank, draft.pid, False)
         return payload
+
+    def _drop_covered_steps(self, owner_rank: int, pid: PayloadId, replica: bool) -> None:
+        """After diff batch ``pid`` is complete: remove the step units of its steps (see the invariants)."""
+        if pid.kind == DIFF:
+            for step in range(pid.first, pid.last + 1):
+                self.delete(owner_rank, PayloadId.step(step), replica=replica)
 
     def begin_replica(self, stamp: Stamp) -> "ReplicaWriter":
         """Receive the replica that ``stamp`` describes chunk by chunk (Tier-2 paced transfer)."""

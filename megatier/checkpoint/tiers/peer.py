@@ -29,7 +29,7 @@ from megatier.faults import FaultHook, no_faults
 class PeerTier(Tier):
     """Tier-2 of rank ``rank``: sends to ``replicator.holder``, keeps ``replicator.owner``'s replicas."""
 
-    label, scope, lockstep = TIER2, NODE, True
+    label, scope, lockstep, takes_steps = TIER2, NODE, True, True
 
     def __init__(self, memory: NodeMemory, replicator: PeerReplicator, *, keep_bases: int = 2,
                  fault: FaultHook = no_faults):
@@ -45,11 +45,11 @@ class PeerTier(Tier):
     # ---- units -------------------------------------------------------------------------------
 
     def put(self, payload: EncodedPayload) -> None:
-        kind = payload.stamp.pid.kind
-        if kind in self._due:
-            raise ValueError(f"two {kind} units handed to Tier-2 in one step ({self._due[kind].stamp.pid}, "
+        slot = BASE if payload.stamp.pid.kind == BASE else DIFF  # a step unit travels in the diff slot
+        if slot in self._due:
+            raise ValueError(f"two {slot} units handed to Tier-2 in one step ({self._due[slot].stamp.pid}, "
                              f"{payload.stamp.pid})")
-        self._due[kind] = payload
+        self._due[slot] = payload
 
     def list(self) -> Listing:
         return list_area(self.memory, self.label, replica=True)
@@ -68,12 +68,14 @@ class PeerTier(Tier):
         return self.replicator.on_step(step, diff=due.get(DIFF), base=due.get(BASE))
 
     def point(self) -> Optional[int]:
-        """Newest step the holder has acknowledged: a node failure recovers this rank from there."""
+        """Newest step the holder has acknowledged: a node failure recovers this rank from there.
+
+        Units are acknowledged in the order they were handed in, one diff batch or step unit per step
+        after the first base, so the newest acknowledged one ends the chain."""
         acked = self.replicator.status().acked_units
-        base, diff = acked.get(BASE), acked.get(DIFF)
-        if base is None:
+        if acked.get(BASE) is None:
             return None
-        return max(base.version, diff.last) if diff is not None else base.version
+        return max(p.version for p in acked.values() if p is not None)
 
     def reclaim(self, watermark: Optional[int]) -> None:
         owner = self.replicator.owner

@@ -15,7 +15,7 @@ waits, so a phase completes once each peer has reached the same phase of the
 same tick (no cycle of waits can form around the ring):
 
 1. headers (only at ticks with new units): a fixed-size int64 table, one row per
-   kind (diff, base: present, first, last, size, stamp length) to the holder
+   slot (diff or step unit, base: present, first, last, size, stamp length) to the holder
    (and, on rings of 3+ nodes, to the owner, which needs our size to agree on
    pacing), then the stamp JSON bytes to the holder. Diverging schedules are
    detected here and stop replication with an error instead of a hang.
@@ -31,17 +31,19 @@ same tick (no cycle of waits can form around the ring):
    Tier-3, and the next unit replaces it.
 
 Invariants:
-- A replica becomes visible only through :meth:`NodeMemory.save` (diffs, after
-  verify_payload) or :meth:`ReplicaWriter.finish` (bases, after the checksum):
+- A replica becomes visible only through :meth:`NodeMemory.save` (diff batches
+  and step units, after verify_payload) or :meth:`ReplicaWriter.finish` (bases, after the checksum):
   a sender that dies mid-base leaves an invisible temp file, which the thread
-  discards when it stops.
+  discards when it stops; one that dies mid-record (``t2.mid_record``: after
+  the headers, before the data) leaves nothing of it, and the replica's
+  earlier units stay complete and usable.
 - Every wait has a timeout; a failed or timed-out transfer stops the thread and
   the next on_step/flush raises naming both ranks and the unit. The group is
   unusable afterwards (a gloo op may still be posted), so nothing is retried.
 - ``on_step`` blocks only while waiting for work of ticks it already queued,
   which peers complete once they reach the same step: a stall never depends on
   a peer getting past a later collective.
-- No unit is dropped: backlog beyond two diff batches blocks the caller instead.
+- No unit is dropped: a backlog beyond a few diff batches or step units blocks the caller instead.
 """
 from __future__ import annotations
 
@@ -56,17 +58,17 @@ import torch
 import torch.distributed as dist
 
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError, Stamp, verify_payload
-from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.checkpoint.tiers.ring import KINDS, Leg, PeerStatus, Tick, TransferError, chunk_plan
+from megatier.checkpoint.tiers.ring import KIND_CODES, SLOTS, Leg, PeerStatus, Tick, TransferError, chunk_plan
 from megatier.checkpoint.tiers.store import StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)
 
 _TAG_HDR, _TAG_HDR_BACK, _TAG_STAMP, _TAG_DATA, _TAG_ACK = 0x7201, 0x7202, 0x7203, 0x7204, 0x7205
-_MAX_QUEUED_DIFFS = 2
+_MAX_QUEUED_DIFFS = 4  # diff batches or step units: a step unit per step keeps the ring a tick or two behind
 
 
 class PeerReplicator:
@@ -89,7 +91,7 @@ class PeerReplicator:
         self._queued = self._ticks_done = self._progress = 0
         self._queued_diffs = self._bases_in = self._bases_done = 0
         self._unsent = 0
-        self._acked: dict = {DIFF: None, BASE: None}
+        self._acked: dict = {DIFF: None, BASE: None, STEP: None}
         self._received: collections.deque[PayloadId] = collections.deque(maxlen=256)
         self._last_error: Optional[str] = None
         self._error: Optional[BaseException] = None
@@ -112,10 +114,10 @@ class PeerReplicator:
         Every rank must hand in units of the same kinds and ranges at the same steps. Steps must increase;
         a call without units for a step already seen is ignored.
         """
-        for kind, p in ((DIFF, diff), (BASE, base)):
-            if p is not None and (p.stamp.pid.kind != kind or p.stamp.rank != self.rank):
+        for kinds, p in (((DIFF, STEP), diff), ((BASE,), base)):
+            if p is not None and (p.stamp.pid.kind not in kinds or p.stamp.rank != self.rank):
                 raise ValueError(f"{p.stamp.pid} of rank {p.stamp.rank} handed to rank {self.rank}'s replicator "
-                                 f"as its {kind}")
+                                 f"as its {' or '.join(kinds)}")
         with self._cv:
             self._raise_if_failed()
             if self._closed:
@@ -249,7 +251,7 @@ class PeerReplicator:
         if self.holder == self.owner:
             from_holder = from_owner
         theirs = from_owner.tolist()
-        for kind, p, row in zip(KINDS, mine, theirs):
+        for kind, p, row in zip(SLOTS, mine, theirs):
             if bool(row[0]) != (p is not None) or (p is not None and (row[1], row[2]) != (p.stamp.pid.first,
                                                                                            p.stamp.pid.last)):
                 raise TransferError(f"Tier-2 schedules diverged at step {tick.step}: rank {self.owner} handed in "
@@ -268,7 +270,8 @@ class PeerReplicator:
             if stamp.rank != self.owner or stamp.pid != p.stamp.pid or stamp.size != row[3]:
                 raise TransferError(f"{source} announces {stamp.pid} of rank {stamp.rank} ({stamp.size} bytes), "
                                      f"expected {p.stamp.pid} of rank {self.owner}; replication stopped")
-            if stamp.pid.kind == DIFF:
+            if stamp.pid.replays:
+                self.fault_hook(CrashPoint.T2_MID_RECORD, stamp.pid.version)
                 self._out.append(Leg(p.stamp.pid, p.stamp.size, p.stamp.size, 1, tick.step, 0, data=p.data))
                 self._in.append(Leg(stamp.pid, stamp.size, stamp.size, 1, tick.step, 0, stamp=stamp))
                 continue
@@ -353,13 +356,13 @@ class PeerReplicator:
         to_owner = [leg for leg in finished if leg.stamp is not None]  # incoming legs carry the owner's stamp
         from_holder = [(leg, torch.empty(4, dtype=torch.int64)) for leg in finished if leg.stamp is None]
         self._exchange([("recv", buf, _TAG_ACK, leg.pid) for leg, buf in from_holder] +
-                       [("back", torch.tensor([int(leg.bad is None), KINDS.index(leg.pid.kind), leg.pid.first,
+                       [("back", torch.tensor([int(leg.bad is None), KIND_CODES.index(leg.pid.kind), leg.pid.first,
                                                leg.pid.last]), _TAG_ACK, leg.pid) for leg in to_owner])
         with self._cv:
             for leg, buf in from_holder:
                 ok, kind, first, last = buf.tolist()
-                if (KINDS[kind], first, last) != (leg.pid.kind, leg.pid.first, leg.pid.last):
-                    raise TransferError(f"rank {self.holder} acked {KINDS[kind]} v{first}-{last} where rank "
+                if (KIND_CODES[kind], first, last) != (leg.pid.kind, leg.pid.first, leg.pid.last):
+                    raise TransferError(f"rank {self.holder} acked {KIND_CODES[kind]} v{first}-{last} where rank "
                                          f"{self.rank} expected {leg.pid}; replication stopped")
                 if ok:
                     newest = self._acked[leg.pid.kind]

@@ -2,7 +2,7 @@
 
 A *leg* is one direction of one unit between two ring neighbours, cut into
 chunks; chunk k of a leg moves at the first tick at or after its due step. A
-diff batch is one chunk, due at once. A base at step v is handed over at v + 1
+diff batch or step unit is one chunk, due at once. A base at step v is handed over at v + 1
 and paced from v + 2 on (:func:`chunk_plan`): L = max(sender size, receiver
 size), T = max(1, base_interval - 2 - margin) (the steps from v + 2 to the next
 base, less margin = max(1, base_interval // 5)), chunk = min(ceil(L / T),
@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatier.checkpoint.format.payload import EncodedPayload, Stamp
-from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
 from megatier.checkpoint.tiers.node_memory import ReplicaWriter
 
-KINDS = (DIFF, BASE)  # header table rows, and the order of units within a tick
+SLOTS = (DIFF, BASE)  # header table rows, and the order of units within a tick (a step unit uses the diff slot)
+KIND_CODES = (DIFF, BASE, STEP)  # a unit's kind as an integer in the acks
 
 
 def chunk_plan(size: int, other_size: int, base_interval: int, max_chunk_bytes: int) -> tuple[int, int, int]:
@@ -43,7 +44,7 @@ class PeerStatus:
     """A snapshot for metrics and tests."""
 
     pending_bytes: int  # own payload bytes handed in and not yet sent
-    acked_units: dict  # kind -> newest PayloadId the holder confirmed complete (or None)
+    acked_units: dict  # kind (diff, base, step) -> newest PayloadId the holder confirmed complete (or None)
     received: tuple  # owner's units completed here, oldest first (the most recent 256)
     last_error: Optional[str]
     sync_flushes: int = 0  # ticks at which a new base forced the previous one out (spills)

@@ -18,7 +18,7 @@ from megatier.checkpoint.comm import SoloComm
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.payload import EncodedPayload, verify_payload
-from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import NODE, TIER3, Copy, Listing, Tier
@@ -37,8 +37,10 @@ NODE0 = "node0"
 class MemoryTier(Tier):
     """A tier in a dict; as Tier-3 (label TIER3, job scope) every unit put counts as committed at once."""
 
-    def __init__(self, label: str, *, scope: str = NODE, lockstep: bool = False, rank: int = 0):
+    def __init__(self, label: str, *, scope: str = NODE, lockstep: bool = False, rank: int = 0,
+                 takes_steps: bool = False):
         self.label, self.scope, self.lockstep, self.rank = label, scope, lockstep, rank
+        self.takes_steps = takes_steps
         self.node = NODE0 if scope == NODE else None
         self.units: dict[tuple[int, PayloadId], EncodedPayload] = {}
         self.puts: list[tuple[Optional[int], PayloadId]] = []  # (last tick seen when put, unit)
@@ -47,8 +49,12 @@ class MemoryTier(Tier):
         self.started = self.closed = False
 
     def put(self, payload: EncodedPayload) -> None:
-        self.units[(payload.stamp.rank, payload.stamp.pid)] = EncodedPayload(bytes(payload.data), payload.stamp)
-        self.puts.append((self.ticks[-1] if self.ticks else None, payload.stamp.pid))
+        pid = payload.stamp.pid
+        self.units[(payload.stamp.rank, pid)] = EncodedPayload(bytes(payload.data), payload.stamp)
+        self.puts.append((self.ticks[-1] if self.ticks else None, pid))
+        if pid.kind == DIFF:  # as node memory does: a complete batch replaces the step units it covers
+            for s in range(pid.first, pid.last + 1):
+                self.units.pop((payload.stamp.rank, PayloadId.step(s)), None)
 
     def list(self) -> Listing:
         copies = [Copy(p.stamp, self.label, self.node) for p in self.units.values()]

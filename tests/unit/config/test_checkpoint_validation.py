@@ -33,7 +33,8 @@ def test_schema_has_the_documented_keys_and_defaults():
     cfg = CheckpointConfig()
     assert leaf_keys(cfg) == {
         "enabled", "tiers", "base_interval", "diff.batch", "diff.compression", "diff.topk_ratio",
-        "diff.small_threshold", "peer.max_chunk_mib", "local.root", "local.keep_bases", "local.budget_gib",
+        "diff.small_threshold", "diff.per_step", "peer.max_chunk_mib", "local.root", "local.keep_bases",
+        "local.budget_gib",
         "remote.url", "remote.endpoint_url",
         "remote.keep_bases", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
         "memory_budget_gib", "allow_fresh_start", "allow_changes"}

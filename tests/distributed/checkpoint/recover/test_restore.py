@@ -269,13 +269,17 @@ def _check_common(results: list[dict], version: int, end: int) -> dict:
     return record
 
 
+TORN = "node0 own area: diff v13-14 of rank 0 is incomplete (its write was cut short), ignored"
+
+
 def test_software_failure_restores_from_own_tier1(world):
     results = world("software")
     record = _check_common(results, 8, 12)
     assert record["failure_class"] == "software"
     assert record["source_tiers"] == {"tier1": 4, "tier2": 0, "tier3": 0}
     assert record["bytes_tier1"] > 0 and record["bytes_tier2"] == record["bytes_tier3"] == 0
-    assert (record["last_step"], record["steps_lost"], record["fallbacks"]) == (14, 2, [])
+    assert (record["last_step"], record["steps_lost"]) == (14, 2)
+    assert record["fallbacks"] == [TORN], record["fallbacks"]  # reported, never replayed
     # Rank 1's batch 13-14 and the interrupted write are gone; nothing at or below E was touched.
     entries = results[0]["entries"] + results[2]["entries"]
     assert not any("v13-14" in e for e in entries), entries
@@ -307,7 +311,8 @@ def test_corrupt_copies_fall_through_and_are_reported(world):
     record = _check_common(results, 8, 10)
     assert record["source_tiers"] == {"tier1": 3, "tier2": 0, "tier3": 1}
     assert record["failure_class"] == "mixed"
-    fallbacks = record["fallbacks"]
+    assert record["fallbacks"][0] == TORN
+    fallbacks = record["fallbacks"][1:]
     assert len(fallbacks) == 5, fallbacks
     assert sum("rank 1 base v8" in f for f in fallbacks) == 2 and any("rank 2 diff v9-10" in f for f in fallbacks)
     assert sum("rank 3 diff v11-12" in f for f in fallbacks) == 2

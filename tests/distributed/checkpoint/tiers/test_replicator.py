@@ -118,7 +118,7 @@ def test_diffs_and_bases_arrive_byte_identical(tmp_path):
     for r in results:
         assert len(r["replicas"]) == 9, r["replicas"]  # 6 diff batches and 3 bases from the owner
         st = r["status"]
-        assert st.acked_units == {"diff": PayloadId.diff(10, 11), "base": PayloadId.base(8)}, st
+        assert st.acked_units == {"diff": PayloadId.diff(10, 11), "base": PayloadId.base(8), "step": None}, st
         assert sorted(st.received) == sorted(r["replicas"]), st.received
         assert st.pending_bytes == 0 and st.sync_flushes == 0
         assert not any(".tmp-" in f for f in r["replica_files"]), r["replica_files"]
@@ -190,7 +190,7 @@ def test_corrupted_chunk_leaves_no_visible_replica(tmp_path):
     assert "xxh64" in receiver["status"].last_error and "discarded" in receiver["status"].last_error
     assert bad_base not in receiver["status"].received
     assert "rejected base v0 of rank 0" in sender["status"].last_error
-    assert sender["status"].acked_units == {"base": None, "diff": PayloadId.diff(4, 5)}
+    assert sender["status"].acked_units == {"base": None, "diff": PayloadId.diff(4, 5), "step": None}
     assert not any("v00000000.safetensors" in f for f in receiver["replica_files"]), receiver["replica_files"]
     for r in (results[1], results[3]):  # the other pair is unaffected
         assert r["status"].last_error is None and set(r["replicas"].values()) == {"ok"}
@@ -249,3 +249,64 @@ def test_ring_of_three_nodes_paces_with_both_neighbours_sizes(tmp_path):
         assert len(r["replicas"]) == 7 and r["status"].acked_units["base"] == PayloadId.base(10)
         chunks = [(step, n) for v, step, n in r["status"].base_chunks if v == 0]
         assert {step for step, _ in chunks} <= set(range(1, 3)), chunks  # T = 5 - 2 - 1 = 2 steps
+
+
+class _StepPlan(_Plan):
+    """Base 0, then a step unit every step and a diff batch of steps s-4..s at every fifth step s."""
+
+    def __init__(self, steps: int):
+        super().__init__(steps, bases={0: 50_000})
+
+    def units(self, rank: int, world: int, step: int) -> dict:
+        if step == 0:
+            return super().units(rank, world, step)
+        pid = PayloadId.diff(step - 4, step) if step % 5 == 0 else PayloadId.step(step)
+        return {"diff": _payload(rank, world, pid, self.diff_size * (5 if pid.kind == "diff" else 1) + 7 * rank)}
+
+
+def test_step_units_arrive_each_step_and_their_batch_replaces_them(tmp_path):
+    results = _world(tmp_path, _StepPlan(13), base_interval=20, max_chunk=1 << 20)
+    for r in results:
+        assert r["error"] is None and r["status"].last_error is None, r
+        st = r["status"]
+        assert st.acked_units == {"base": PayloadId.base(0), "diff": PayloadId.diff(6, 10),
+                                  "step": PayloadId.step(12)}, st
+        covered = {pid: state for pid, state in r["replicas"].items() if pid.kind == "step" and pid.last <= 10}
+        assert set(covered.values()) == {"missing"}, covered  # dropped once their batch arrived
+        rest = {pid: state for pid, state in r["replicas"].items() if pid not in covered}
+        assert set(rest) == {PayloadId.base(0), PayloadId.diff(1, 5), PayloadId.diff(6, 10), PayloadId.step(11),
+                             PayloadId.step(12)} and set(rest.values()) == {"ok"}, rest
+
+
+def _dying_mid_record_drive(rank, world, nodes, root, plan, kw):
+    # Rank 0 is SIGKILLed after announcing its step unit 7 to rank 2 and before sending its bytes.
+    armed = (Armed(CrashPoint.T2_MID_RECORD, 7),) if rank == 0 else ()
+    return _drive(rank, world, nodes, root, plan, fault_hook=FaultInjector(rank, armed), **kw)
+
+
+def test_a_peer_dying_mid_record_leaves_the_earlier_records_usable(tmp_path):
+    from megatier.checkpoint.format.chain import chain_end
+
+    run = tmp_path / f"world-{uuid.uuid4().hex[:8]}"
+    run.mkdir()
+    args = (4, 2, str(tmp_path / "shm"), _StepPlan(10), {"base_interval": 5, "max_chunk": 1 << 20,
+                                                           "timeout_s": 2.0, "sleep": 0.02})
+    ctx = mp.get_context("spawn")  # not run_world: one process is meant to die
+    procs = [ctx.Process(target=_worker, args=(r, _dying_mid_record_drive, 4, str(run / "store"), str(run), 30.0,
+                                               args)) for r in range(4)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 60
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert codes == [-9, 0, 0, 0], codes
+    receiver = torch.load(run / "rank2.pt", weights_only=False)
+    assert "the peer may have died" in receiver["error"] and "rank 0" in receiver["error"], receiver["error"]
+    held = {pid for pid, state in receiver["replicas"].items() if state == "ok"}
+    assert held == {PayloadId.base(0), PayloadId.diff(1, 5), PayloadId.step(6)}, receiver["replicas"]
+    assert not any(".tmp-" in f or "v00000007" in f for f in receiver["replica_files"]), receiver["replica_files"]
+    assert chain_end([0], held - {PayloadId.base(0)}) == 6  # a node failure of rank 0 recovers it to step 6
