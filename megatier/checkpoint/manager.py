@@ -10,10 +10,11 @@ What and when (the tiers move the bytes, see :mod:`.tiers.base`):
 - every step: the consumed gradient is compressed (in the loop, see after_step)
   and the record goes to the save thread (differential stream); every
   ``diff.batch`` steps the open batch closes; with ``diff.per_step`` the
-  record of every other step is also a step unit of its own, on Tier-1 as
-  soon as the save thread writes it and on Tier-2 one tick later, so a
+  loop also writes the record of every other step as a step unit of its own,
+  on Tier-1 before after_step returns and to Tier-2 at the next tick, so a
   failure loses at most the step in flight (two for a node failure), not the
-  open batch;
+  open batch (the save thread may lag the loop when the cores are saturated;
+  the step unit must not);
 - at the anchor (0 on a fresh start, E after a recovery) and every
   ``base_interval`` steps after it: a snapshot of the shard goes to the save
   thread (base stream);
@@ -34,9 +35,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Optional, Union
 
 from megatier.checkpoint.context import CheckpointContext
+from megatier.checkpoint.format.payload import EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.worker import SaveWorker
@@ -84,16 +86,16 @@ class CheckpointManager:
         self.shard = shard
         self.anchor = 0
         self._step = 0
-        self._handoff: list[PayloadId] = []  # units finished at the previous step, for the lockstep tiers
+        # Units finished at the previous step, for the lockstep tiers: the save thread's (by id) or the loop's own.
+        self._handoff: list[Union[PayloadId, EncodedPayload]] = []
         self._lockstep = [t for t in ctx.tiers if t.lockstep]
         self.watermark: Optional[int] = None
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
-        self._step_units = self.cfg.diff.per_step and any(t.takes_steps for t in ctx.tiers)
+        self._step_tiers = [t for t in ctx.tiers if t.takes_steps] if self.cfg.diff.per_step else []
         self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in ctx.tiers if not t.lockstep],
-                                 keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id,
-                                 step_units=self._step_units, inline=inline)
+                                 keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
 
     # ---- start -------------------------------------------------------------------------------
 
@@ -148,8 +150,8 @@ class CheckpointManager:
         handoff, self._handoff = self._handoff, []
         if closes:
             self._handoff.append(PayloadId.diff(step - self.cfg.diff.batch + 1, step))
-        elif self._step_units:
-            self._handoff.append(PayloadId.step(step))
+        elif self._step_tiers:
+            self._save_step_unit(record)
         if since % self.cfg.base_interval == 0:
             self.worker.submit_base(self.shard.capture_base(step))
             self._handoff.append(PayloadId.base(step))
@@ -159,15 +161,25 @@ class CheckpointManager:
             self._sync(step)
         return self._metrics(step, stall)
 
-    def _hand_over(self, pids: list[PayloadId]) -> float:
+    def _save_step_unit(self, record) -> None:
+        """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
+        it for the lockstep tiers' next tick."""
+        draft = draft_diff_batch([record], job_id=self.ctx.job_id, layout=self.ctx.layout,
+                                 fingerprint=self.ctx.fingerprint_id, step_unit=True)
+        own = [t for t in self._step_tiers if not t.lockstep]
+        payload = own[0].put_draft(draft) if own else draft.to_payload()
+        if any(t.lockstep for t in self._step_tiers):
+            self._handoff.append(payload)
+
+    def _hand_over(self, units: list[Union[PayloadId, EncodedPayload]]) -> float:
         """Put the units finished at the previous step into the lockstep tiers; returns the wait for them."""
         if not self._lockstep:
             return 0.0
         t0 = time.perf_counter()
-        for pid in pids:
-            payload = self.worker.take(pid, self.ctx.timeout_s)
+        for unit in units:
+            payload = unit if isinstance(unit, EncodedPayload) else self.worker.take(unit, self.ctx.timeout_s)
             for tier in self._lockstep:
-                if pid.kind != STEP or tier.takes_steps:
+                if payload.stamp.pid.kind != STEP or tier.takes_steps:
                     tier.put(payload)
         return time.perf_counter() - t0
 

@@ -13,7 +13,7 @@ count is recorded per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -43,6 +43,9 @@ class ShardAccess:
 
     optimizer: object  # DistributedAdamW: master, exp_avg, exp_avg_sq, last_grad, last_lr, ...
     global_batch_size: int
+    # Error feedback of a lossy diff stream: what the records since the last base left out of the gradients
+    # (shape of the shard, fp32, on the gradient's device; None until the first lossy record).
+    residual: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         o = self.optimizer
@@ -60,7 +63,12 @@ class ShardAccess:
     # ---- save side ------------------------------------------------------------------------
 
     def capture_base(self, version: int, snapshot: bool = True) -> BaseState:
-        """The shard at ``version``; ``snapshot`` copies the tensors so training may go on meanwhile."""
+        """The shard at ``version``; ``snapshot`` copies the tensors so training may go on meanwhile.
+
+        A replay starts from a base, so the error feedback starts afresh at each one (see :meth:`compress`).
+        """
+        if self.residual is not None:
+            self.residual.zero_()
         o = self.optimizer
         take = (lambda t: t.detach().to("cpu", copy=True)) if snapshot else (lambda t: t.detach().cpu())
         scaler = o.scaler.state_dict() if o.scaler is not None else None
@@ -88,12 +96,24 @@ class ShardAccess:
 
         Compresses where the gradient lives (on a GPU, the record is copied to
         the host later, by the save thread, and is ~1% of the gradient's size).
+
+        A lossy codec compresses the gradient plus the residual, what the records
+        since the last base left out, and keeps the new residual (error feedback):
+        the replayed records then sum to the true gradients since the base up to
+        one residual, so a long chain does not drift. Lossless fp32 needs none.
         """
         if skipped:
             # Nothing was applied (fp16 overflow); the flag alone replays it, including the scaler update.
             return DiffStep(step, lr, adam_step, True, {}, {}), 0
+        lossy = cfg.compression != "fp32"
+        if lossy:
+            if self.residual is None:
+                self.residual = torch.zeros_like(grad)
+            grad = self.residual.add_(grad)
         record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio, cfg.small_threshold,
                                        seed=step)
+        if lossy:
+            self.residual.sub_(ops.decompress_segments(record))
         tensors = {k: v.contiguous() for k, v in record.tensors.items()}
         return DiffStep(step, lr, adam_step, False, tensors, record.header), record.nbytes
 

@@ -8,8 +8,9 @@ merged inventory, so every rank computes the same answer:
   saved in lock step and stays correct when one rank's newest base is missing
   on an older version.
 - E is the furthest step that every rank reaches from V through a contiguous
-  chain of whole diff batches (each from any tier), i.e. the newest end in the
-  intersection of the per-rank reachable ends (:mod:`..format.chain`).
+  chain of units (diff batches and step units, each from any tier; a chain may
+  stop inside a unit), i.e. the newest step in the intersection of the
+  per-rank reachable steps (:mod:`..format.chain`).
 - Only copies of this job and layout count. Copies of another job or layout
   are set aside; if they are all there is, recovery is refused naming both
   (starting fresh over them would collide with their Tier-3 commit records).

@@ -8,8 +8,9 @@ Collective over every rank, in four phases:
    every usable copy of each unit, derived without further messages.
 3. Cascade (:mod:`.cascade`): one round per position in the chains; each rank
    gets its unit from the cheapest tier that has a good copy.
-4. Replay: ``load_base``, one fused ``replay`` per diff batch (the
-   ``replay.mid_batch`` crash point between batches), then ``publish`` once.
+4. Replay: ``load_base``, one fused ``replay`` per unit (a diff batch or a
+   step unit, cut where the chain leaves it: :func:`..format.chain.replay_ends`;
+   the ``replay.mid_batch`` crash point between units), then ``publish`` once.
 
 When a rank runs out of copies of a unit, the consensus is taken again without
 every copy found bad (an older base or a shorter chain may still be complete
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from megatier.checkpoint.context import CheckpointContext
+from megatier.checkpoint.format.chain import replay_ends
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
 from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
@@ -56,16 +58,18 @@ class RecoveryResult:
     record: dict
 
 
-def _apply(ctx: CheckpointContext, shard: ShardAccess, pid: Optional[PayloadId], obj: Any) -> Optional[str]:
-    """Load the base or replay one diff batch; an error is returned (and gathered), not raised."""
+def _apply(ctx: CheckpointContext, shard: ShardAccess, pid: Optional[PayloadId], obj: Any,
+           upto: int) -> Optional[str]:
+    """Load the base, or replay one unit's records up to step ``upto``; an error is returned (and gathered),
+    not raised."""
     if pid is None:
         return None
     try:
         if pid.kind == BASE:
             shard.load_base(obj)
         else:
-            shard.replay(obj)
-            ctx.fault(CrashPoint.REPLAY_MID_BATCH, pid.last)
+            shard.replay([s for s in obj if s.step <= upto])
+            ctx.fault(CrashPoint.REPLAY_MID_BATCH, upto)
     except Exception as e:  # shape mismatch, a kernel error: fatal, reported on every rank
         return f"applying {pid} failed: {type(e).__name__}: {e}"
     return None
@@ -74,10 +78,12 @@ def _apply(ctx: CheckpointContext, shard: ShardAccess, pid: Optional[PayloadId],
 def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, timings: list[float]) -> None:
     """All rounds of the current consensus, applying each unit; adds to ``timings`` = [t_rollback, t_replay]."""
     fatal = None
-    for k in range(max(len(c) for c in fetcher.consensus.chains.values())):
+    consensus = fetcher.consensus
+    ends = replay_ends(consensus.chains[ctx.rank], consensus.end)
+    for k in range(max(len(c) for c in consensus.chains.values())):
         t = time.perf_counter()
         pid, obj = fetcher.round(k, fatal)
-        fatal = _apply(ctx, shard, pid, obj)
+        fatal = _apply(ctx, shard, pid, obj, ends[k] if k < len(ends) else consensus.end)
         timings[min(k, 1)] += time.perf_counter() - t
     t = time.perf_counter()
     raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")

@@ -7,9 +7,8 @@ training may overwrite the live state at once). The worker then, in
 submission order:
 
 - appends each step's record to the open diff batch; a closed batch is
-  serialized as one payload; with ``step_units``, each record of a step that
-  does not close its batch is also serialized alone, as a step unit, for the
-  tiers that take them (node memory: the step is durable at once);
+  serialized as one payload (the step units that make each record durable at
+  once are the loop's: see CheckpointManager.after_step);
 - serializes each base once;
 - has the first tier serialize the payload (Tier-1 writes it straight into
   its file in node memory and hands back a read-only map of that file), then
@@ -39,7 +38,7 @@ from megatier.checkpoint.format.payload import (
     draft_base,
     draft_diff_batch,
 )
-from megatier.checkpoint.format.units import BASE, STEP, PayloadId
+from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import Tier
 from megatier.parallel.layout import Layout
@@ -55,13 +54,12 @@ class SaveWorker:
     """One rank's save thread; errors surface on the next call from the loop."""
 
     def __init__(self, *, job_id: str, layout: Layout, tiers: Sequence[Tier], keep_for_loop: bool,
-                 fingerprint: str = "", step_units: bool = False, inline: bool = False):
+                 fingerprint: str = "", inline: bool = False):
         if not tiers:
             raise ValueError("the save worker needs at least one tier")
         self.job_id, self.layout, self.fingerprint = job_id, layout, fingerprint
         self.tiers = list(tiers)
         self.keep_for_loop = keep_for_loop
-        self.step_units = step_units
         self._cv = threading.Condition()
         self._jobs: collections.deque = collections.deque()
         self._queued_bytes = 0
@@ -167,10 +165,7 @@ class SaveWorker:
     def _diff(self, job: _DiffJob) -> Optional[PayloadDraft]:
         self._open.append(job.record)
         if not job.close_batch:
-            if not self.step_units:
-                return None
-            return draft_diff_batch([job.record], job_id=self.job_id, layout=self.layout,
-                                    fingerprint=self.fingerprint, step_unit=True)
+            return None
         batch, self._open = self._open, []
         return draft_diff_batch(batch, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
@@ -178,12 +173,8 @@ class SaveWorker:
         return draft_base(state, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
     def _store(self, draft: PayloadDraft) -> EncodedPayload:
-        """Serialize once, into the first tier, and offer the same bytes to the others (a step unit only to
-        those that take step units)."""
-        takers = [t for t in self.tiers if draft.pid.kind != STEP or t.takes_steps]
-        if not takers:
-            return draft.to_payload()
-        first, *rest = takers
+        """Serialize once, into the first tier, and offer the same bytes to the others."""
+        first, *rest = self.tiers
         payload = first.put_draft(draft)
         if draft.pid.kind == BASE:
             with self._cv:

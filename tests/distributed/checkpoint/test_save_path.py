@@ -137,16 +137,28 @@ def _train_and_inspect(rank: int, cfg: Config, watch_every: int, flaky_writes: i
         else:
             for s in decode_diff_batch(payload, job_id=JOB, layout=layout, source="t1"):
                 dense = ops.decompress_segments(CompressedRecord(s.header, s.tensors))
-                grad = captured[s.step][1]
-                expect = grad if cfg.checkpoint.diff.compression == "fp32" else ops.decompress_segments(
-                    ops.compress_segments(grad, manager.shard.segments, cfg.checkpoint.diff.compression,
-                                          cfg.checkpoint.diff.topk_ratio, cfg.checkpoint.diff.small_threshold,
-                                          seed=s.step))
+                expect = _expected_image(captured, s.step, cfg, manager.shard.segments)
                 out.setdefault("diff_ok", []).append(torch.equal(dense, expect))
     # The replicas this node holds are byte-identical to what the owner saved (checked by the owner's stamp).
     out["replica_stamps"] = {pid: memory.load(owner, pid, replica=True).stamp.xxh64 for pid in out["replicas"]}
     out["own_stamps"] = {pid: memory.load(rank, pid).stamp.xxh64 for pid in out["own"]}
     return out
+
+
+def _expected_image(captured: dict, step: int, cfg: Config, segments) -> torch.Tensor:
+    """The gradient image step ``step``'s record must hold: the gradient itself (fp32), or, lossy, the
+    compressed gradient plus the error-feedback residual carried from the last base before ``step``."""
+    d = cfg.checkpoint.diff
+    if d.compression == "fp32":
+        return captured[step][1]
+    base = (step - 1) // cfg.checkpoint.base_interval * cfg.checkpoint.base_interval
+    residual = torch.zeros_like(captured[step][1])
+    for t in range(base + 1, step + 1):
+        wanted = captured[t][1] + residual
+        image = ops.decompress_segments(ops.compress_segments(wanted, segments, d.compression, d.topk_ratio,
+                                                              d.small_threshold, seed=t))
+        residual = wanted - image
+    return image
 
 
 def _run(tmp_path, corpus_prefix, watch_every: int = 5, flaky_writes: int = 0, **kw) -> list[dict]:
