@@ -255,7 +255,7 @@ def run_one(spec: str, tag: str, args, dirs: dict, rank: int) -> dict:
                         f"batch {d.batch}", tiers=list(trainer.cfg.checkpoint.tiers),
                    base_bytes_per_base=base_total / bases, bases=bases,
                    bytes_per_checkpoint=diff_total / args.iters,
-                   mean_ckpt_wait_ms=statistics.fmean(r.get("ckpt_wait_ms", 0.0) for r in window))
+                   mean_ckpt_budget_ms=statistics.fmean(r.get("ckpt_budget_ms", 0.0) for r in window))
     if not args.keep:
         for path in (remote, local_root, run_dir):
             shutil.rmtree(path, ignore_errors=True)

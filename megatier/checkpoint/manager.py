@@ -77,6 +77,19 @@ def recovery_points(columns: dict[str, list[int]], step: int) -> dict:
             "t3_lag_steps": (step - rack) if rack is not None else None}
 
 
+class _PhaseClock:
+    """Milliseconds between laps, by the name of the part that just ended."""
+
+    def __init__(self) -> None:
+        self.laps: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.laps[part] = 1000.0 * (now - self._t)
+        self._t = now
+
+
 class CheckpointManager:
     """Decides what to save and when; one per rank, driven by the training loop in lockstep."""
 
@@ -138,13 +151,16 @@ class CheckpointManager:
     # ---- every step --------------------------------------------------------------------------
 
     def after_step(self, step: int) -> dict:
-        """Save path of step ``step``; returns this step's checkpoint metrics (stall measured by the caller)."""
+        """Save path of step ``step``; returns this step's checkpoint metrics, with the milliseconds each part
+        of the save path held the loop (``ckpt_<part>_ms``; the whole stall is measured by the caller)."""
         self._step = step
         since = step - self.anchor
+        clock = _PhaseClock()
         # Compressed here, by the loop's own thread team (on a GPU, kernels on the training stream, as in
         # TierCheck): ~1 ms for a few million elements on two cores, where a helper thread doing it
         # alone took twice the CPU and, preempting a member of the team, held the whole step up as long.
         record, nbytes = self.shard.compress(step, *self.shard.consumed(), self.cfg.diff)
+        clock.lap("compress")
         closes = since % self.cfg.diff.batch == 0
         self.worker.submit_diff(record, nbytes, close_batch=closes)
         handoff, self._handoff = self._handoff, []
@@ -152,14 +168,22 @@ class CheckpointManager:
             self._handoff.append(PayloadId.diff(step - self.cfg.diff.batch + 1, step))
         elif self._step_tiers:
             self._save_step_unit(record)
+        clock.lap("step_unit")
         if since % self.cfg.base_interval == 0:
             self.worker.submit_base(self.shard.capture_base(step))
             self._handoff.append(PayloadId.base(step))
-        stall = self._tick(step, handoff)
-        stall += self._enforce_budget()
+        clock.lap("base_copy")
+        self._hand_over(handoff)
+        clock.lap("handover")
+        for tier in self.ctx.tiers:  # every rank at the same step: Tier-2's ring transfers pair up
+            tier.on_step(step)
+        clock.lap("tick")
+        self._enforce_budget()
+        clock.lap("budget")
         if closes:
             self._sync(step)
-        return self._metrics(step, stall)
+        clock.lap("sync")
+        return self._metrics(clock.laps)
 
     def _save_step_unit(self, record) -> None:
         """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
@@ -171,32 +195,23 @@ class CheckpointManager:
         if any(t.lockstep for t in self._step_tiers):
             self._handoff.append(payload)
 
-    def _hand_over(self, units: list[Union[PayloadId, EncodedPayload]]) -> float:
-        """Put the units finished at the previous step into the lockstep tiers; returns the wait for them."""
+    def _hand_over(self, units: list[Union[PayloadId, EncodedPayload]]) -> None:
+        """Put the units finished at the previous step into the lockstep tiers (waits for the save thread to
+        finish encoding any that it still has)."""
         if not self._lockstep:
-            return 0.0
-        t0 = time.perf_counter()
+            return
         for unit in units:
             payload = unit if isinstance(unit, EncodedPayload) else self.worker.take(unit, self.ctx.timeout_s)
             for tier in self._lockstep:
                 if payload.stamp.pid.kind != STEP or tier.takes_steps:
                     tier.put(payload)
-        return time.perf_counter() - t0
-
-    def _tick(self, step: int, handoff: list[PayloadId]) -> float:
-        """Hand over, then give every tier its tick (every rank at the same step); returns the stall."""
-        stall = self._hand_over(handoff)
-        for tier in self.ctx.tiers:
-            stall += tier.on_step(step)
-        return stall
 
     def _held_bytes(self) -> int:
         return self.worker.pending_bytes + sum(t.pending_bytes() for t in self.ctx.tiers)
 
-    def _enforce_budget(self) -> float:
+    def _enforce_budget(self) -> None:
         """Block while payloads awaiting transfer exceed the budget; never drop one."""
         budget = self.cfg.memory_budget_gib * _GIB
-        t0 = time.perf_counter()
         while (held := self._held_bytes()) > budget:
             now = time.monotonic()
             if now - self._budget_warned > 30.0:
@@ -207,7 +222,6 @@ class CheckpointManager:
                             "needs. Cause: %s", self.ctx.rank, held / _GIB, self.cfg.memory_budget_gib,
                             causes[0] if causes else "the save thread is behind (CPU starved)")
             time.sleep(0.05)
-        return time.perf_counter() - t0
 
     # ---- watermark, recovery points, reclamation ---------------------------------------------
 
@@ -241,10 +255,10 @@ class CheckpointManager:
 
     # ---- metrics and shutdown ----------------------------------------------------------------
 
-    def _metrics(self, step: int, stall_s: float) -> dict:
+    def _metrics(self, laps: dict) -> dict:
         diff_total, base_total = self.worker.diff_bytes, self.worker.base_bytes
         out = {"diff_bytes": diff_total - self._reported["diff"], "base_bytes": base_total - self._reported["base"],
-               "watermark": self.watermark, "ckpt_wait_ms": 1000.0 * stall_s}
+               "watermark": self.watermark, **{f"ckpt_{part}_ms": ms for part, ms in laps.items()}}
         self._reported = {"diff": diff_total, "base": base_total}
         out.update(self._last)
         return out

@@ -54,7 +54,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from megatier.cli.drill_report import CLASSES, Recovery, check_recovery, final_problems, format_report, victims
+from megatier.cli.drill_report import (
+    CLASSES,
+    Recovery,
+    check_recovery,
+    final_problems,
+    format_report,
+    stall_summary,
+    victims,
+)
 from megatier.cli.launch import LocalCluster
 from megatier.config import split_overrides
 from megatier.faults import CrashPoint
@@ -142,12 +150,19 @@ def first_error(log_path: str) -> str:
     return "no error line in its log"
 
 
-def read_metrics(job: Job) -> list[dict]:
-    path = os.path.join(job.run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_metrics(job: Job, every_launch: bool = False) -> list[dict]:
+    """The current launch's metrics records; ``every_launch``: also those of the launches before it, which the
+    logger kept as metrics.<n>.jsonl."""
+    names = ["metrics.jsonl"]
+    if every_launch and os.path.isdir(job.run_dir):
+        names += [n for n in os.listdir(job.run_dir) if n.startswith("metrics.") and n != "metrics.jsonl"]
+    out = []
+    for name in names:
+        path = os.path.join(job.run_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                out += [json.loads(line) for line in f if line.strip()]
+    return out
 
 
 def inject(args, job: Job, at_step: int, k: int) -> int:
@@ -278,7 +293,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     drilled = not any(rec.problems for rec in recoveries)
     reference = run_reference(args, args.overrides) if args.compare and drilled else None
     problems = final_problems(args, job, recoveries, final, status, reference)
-    print(format_report(args, job, recoveries, final, status, reference, problems))
+    stall = stall_summary(read_metrics(job, every_launch=True))
+    print(format_report(args, job, recoveries, final, status, reference, problems, stall))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ok": not problems, "problems": problems, "fail": args.fail, "at_steps": args.at_step,
@@ -286,7 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        "run_dir": job.run_dir, "recoveries": [r.record for r in recoveries],
                        "notes": [n for r in recoveries for n in r.notes], "final_loss": final.get("loss"),
                        "final_digest": final.get("state_digest"),
-                       "final_val_loss": final.get("val_loss"),
+                       "final_val_loss": final.get("val_loss"), "stall": stall,
                        "reference_loss": reference.get("loss") if reference else None,
                        "reference_val_loss": reference.get("val_loss") if reference else None,
                        "reference_digest": reference.get("state_digest") if reference else None}, f, indent=1)

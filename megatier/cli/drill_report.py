@@ -1,6 +1,7 @@
 """The failure drill's verdict and report: what each failure class requires of a recovery, and the text."""
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -95,8 +96,29 @@ def _val_delta(final: dict, reference: dict) -> str:
     return f", val_loss by {100 * rel:.4f}%"
 
 
+def stall_summary(records: list[dict]) -> Optional[dict]:
+    """How long the loop waited on checkpointing per step (``ckpt_stall_ms``, as the metrics log it: rank 0,
+    every launch) against the step itself (``iter_time_s``): median, p99 and max."""
+    stalls = sorted(r["ckpt_stall_ms"] for r in records if r.get("ckpt_stall_ms") is not None)
+    steps = [1000.0 * r["iter_time_s"] for r in records if r.get("iter_time_s") is not None]
+    if len(stalls) < 2 or not steps:
+        return None
+    return {"steps": len(stalls), "median_ms": statistics.median(stalls),
+            "p99_ms": statistics.quantiles(stalls, n=100, method="inclusive")[98], "max_ms": stalls[-1],
+            "step_median_ms": statistics.median(steps)}
+
+
+def _stall_line(stall: Optional[dict]) -> list[str]:
+    if stall is None:
+        return []
+    return [f"  stall: ckpt_stall_ms median {stall['median_ms']:.1f}, p99 {stall['p99_ms']:.1f}, max "
+            f"{stall['max_ms']:.1f} over {stall['steps']} steps (rank 0, every launch); step median "
+            f"{stall['step_median_ms']:.0f} ms, so the max is {100 * stall['max_ms'] / stall['step_median_ms']:.1f}%"
+            f" of a step"]
+
+
 def format_report(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
-                  reference: Optional[dict], problems: list[str]) -> str:
+                  reference: Optional[dict], problems: list[str], stall: Optional[dict] = None) -> str:
     """The human-readable drill report."""
     who = "every node" if args.fail == "rack" else f"node{args.victim}"
     lines = [f"failure drill: {args.fail} failure ({who}) at step(s) {', '.join(map(str, args.at_step))} on "
@@ -123,6 +145,7 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
         lines.append(f"  final: step {final.get('step')} loss {final.get('loss', float('nan')):.6f} val_loss "
                      f"{_fmt(final.get('val_loss'))} state_digest {final.get('state_digest')} (exit {status})")
         lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
+    lines += _stall_line(stall)
     if reference is not None:
         same = reference.get("state_digest") == final.get("state_digest")
         ref_loss = reference.get("loss", float("nan"))  # a reference that trained no step has none

@@ -57,7 +57,8 @@ def test_a_tier3_outage_keeps_training_and_node_memory_bounded_then_catches_up(t
     # batches by step 44).
     assert max(r["own_units"] for r in records) <= 2 + 2 * (10 // 5) + 1 + (5 - 1)
     assert any("Tier-3" in (r.get("degraded") or "") for r in during)
-    assert max(r["ckpt_wait_ms"] for r in records) < 2000  # the loop never waited out the outage
+    # The loop never waited out the outage.
+    assert max(sum(v for k, v in r.items() if k.startswith("ckpt_")) for r in records) < 2000
     # Once Tier-3 is back the backlog (one interval, the rest superseded) goes up: by exit all is durable.
     assert summary["checkpoint_behind"] is False and summary["checkpoint_durable_step"] == 60
 
