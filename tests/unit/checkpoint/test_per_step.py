@@ -112,7 +112,7 @@ def test_without_per_step_a_failure_loses_the_open_batch():
 
 
 def test_a_torn_step_record_is_ignored_and_reported(tmp_path):
-    memory = NodeMemory(str(tmp_path), JOB, NODE0, fsync=False)
+    memory = NodeMemory(str(tmp_path), JOB, NODE0)
     tiers = [LocalTier(memory, 0), MemoryTier(TIER3, scope=JOB_SCOPE)]
     snaps = _run(tiers, 14)
     data = glob.glob(f"{tmp_path}/{JOB}/{NODE0}/own/rank00000/step/v00000014.safetensors")

@@ -54,7 +54,7 @@ def upload(store: DirectoryStore, payload) -> None:
 def populated(tmp_path):
     """Two nodes' Tier-1 areas and a Tier-3 directory with a committed and an uncommitted base."""
     shm, remote = tmp_path / "shm", tmp_path / "remote"
-    node0, node1 = NodeMemory(str(shm), JOB, "node0", fsync=False), NodeMemory(str(shm), JOB, "node1", fsync=False)
+    node0, node1 = NodeMemory(str(shm), JOB, "node0"), NodeMemory(str(shm), JOB, "node1")
     node0.save(base(50, 0))
     node0.save(diff(46, 50, 0))
     node0.save(base(50, 1), replica=True)
@@ -66,7 +66,7 @@ def populated(tmp_path):
 
     with pytest.raises(RuntimeError, match=CrashPoint.T1_MID_WRITE):
         NodeMemory(str(shm), JOB, "node1", fault_hook=crash).save(diff(46, 50, 1))
-    store = DirectoryStore(str(remote / JOB), fsync=False)
+    store = DirectoryStore(str(remote / JOB))
     for rank in (0, 1):
         upload(store, base(50, rank))
     assert Committer(store, JOB).try_commit(PayloadId.base(50), 2) is not None

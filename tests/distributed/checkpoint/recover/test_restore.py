@@ -100,8 +100,8 @@ def _snapshot(opt: DistributedAdamW) -> dict:
 def _generate(ctx, ps, opt: DistributedAdamW, shard: ShardAccess, *, tier3: bool = True) -> dict[int, dict]:
     """Train STEPS steps, write every unit as the save path would; returns the snapshot after each step."""
     rank, holder_node = ctx.rank, f"node{(ctx.rank // 2 + 1) % 2}"
-    own = NodeMemory(ctx.cfg.local.root, ctx.job_id, ctx.node, fsync=False)
-    held = NodeMemory(ctx.cfg.local.root, ctx.job_id, holder_node, fsync=False)
+    own = NodeMemory(ctx.cfg.local.root, ctx.job_id, ctx.node)
+    held = NodeMemory(ctx.cfg.local.root, ctx.job_id, holder_node)
     store, c = open_remote_store(ctx.cfg.remote.url, ctx.job_id), opt.cfg
     committed = []
 

@@ -64,7 +64,7 @@ def _drive(rank: int, world: int, nodes: int, root: str, plan: _Plan, *, base_in
     """Run ``plan`` through a PeerReplicator; returns stalls, probes (replica complete at step?), status, checks."""
     node, holder, owner = _ring(rank, nodes, world // nodes)
     group = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=timeout_s))
-    local = NodeMemory(root, JOB, node, fsync=False)
+    local = NodeMemory(root, JOB, node)
     rep = PeerReplicator(local, rank=rank, holder_rank=holder, owner_rank=owner, group=group,
                          base_interval=base_interval, max_chunk_bytes=max_chunk, timeout_s=timeout_s,
                          fault_hook=fault_hook)

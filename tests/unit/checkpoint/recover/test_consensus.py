@@ -169,7 +169,7 @@ def _base_payload(rank: int, version: int, degrees=DEG):
 
 def test_listings_feed_the_consensus(tmp_path):
     root = str(tmp_path / "t1")
-    node0, node1 = NodeMemory(root, JOB, "node0", fsync=False), NodeMemory(root, JOB, "node1", fsync=False)
+    node0, node1 = NodeMemory(root, JOB, "node0"), NodeMemory(root, JOB, "node1")
     assert not LocalTier(node0, 0).list().traces
     for v in (0, 4):
         node0.save(_base_payload(0, v))
