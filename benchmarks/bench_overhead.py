@@ -15,7 +15,7 @@ default), or one torchrun job per run (--nproc N):
   in_memory_every_step   Gemini-style full copy into host memory every step
   snapshot_then_persist  CheckFreq-style snapshot every K steps, persisted by a thread
 
-(megatier/bench/baselines.py defines the baselines.)
+(benchmarks/baselines.py defines the baselines.)
 
 A step's time is what the loop spends on it: the trainer's ``iter_time_s``
 (forward, backward, optimizer step; background checkpoint threads compete for
@@ -38,6 +38,34 @@ a reference is the mean of the ``none`` runs around a run, so both minima are
 taken over as many samples). The default window (--iters
 60, --warmup 10) spans exactly 50 steps: one base_interval=50 and two periods of
 K=25, so each row pays a whole number of its checkpoints in the window.
+
+CPU time: wall time on a shared box also counts the time a run waited for a
+core; CPU seconds count only what it used (contention still inflates them, via
+shared caches and cores, but far less), so a second table gives every row by
+CPU: rank 0's process, user+sys at nanosecond resolution, per step over the same
+steps as above (from the start of step --warmup+1 to the end of the loop, so it
+also holds the per-step metrics logging, alike in every row). It splits into
+
+  helpers   every Python thread started while the run is built and trained
+            (the save worker, Tier-2 replicator, Tier-3 uploader, coordinator
+            and lease; a baseline's persist thread, DCP's executor), each read
+            from its own thread CPU clock; a thread that ends reports its total
+            as its run() returns, so short-lived ones are counted in full
+  in hook   the process CPU inside after_step (the main thread and its OpenMP
+            team: e.g. MegaTier's diff compression) less what the helpers used
+            meanwhile, so nothing is counted twice
+  training  the rest: forward, backward, optimizer step, gloo, logging
+
+"ckpt %" = (helpers + in hook) / training of the same run: a ratio within one
+run, so a slowdown of the whole box largely cancels. Native threads a helper
+spawns (an OpenMP team of its own) count as training there; "vs none", the
+process CPU per step over the mean of the ``none`` runs around the run (paired
+like the wall overhead), includes everything. Each figure is the median over
+repeats with min..max. The probes add two reads of the process CPU clock and
+two of each helper's clock to every after_step call (microseconds, inside
+``ckpt_stall_ms``). Targets: MegaTier's ckpt % at most 2% with a diff every
+step; its wall overhead, with its min..max, the lowest among the rows
+checkpointing every step.
 
 Checkpoint intervals (--k, a list): MegaTier saves a recovery point every step,
 so K=1 compares at the same recovery granularity, as TierCheck's Exp#1 does
@@ -63,6 +91,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -70,11 +99,13 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.cpu_time import CpuMeter, HelperThreads  # noqa: E402
 from megatier.config import split_overrides  # noqa: E402
 
 ROWS = ("none", "megatier", "sync_torch_save", "dcp_async_save", "in_memory_every_step", "snapshot_then_persist")
 EVERY_K = ("sync_torch_save", "dcp_async_save", "snapshot_then_persist")  # rows with a checkpoint interval K
 TARGET_PCT = 3.5
+CPU_TARGET_PCT = 2.0  # checkpoint CPU (helpers + in hook) as % of training CPU
 RUN_ENV = "MEGATIER_BENCH_RUN"  # set by run_under_torchrun for its children
 MIB = 1 << 20
 
@@ -187,6 +218,31 @@ def read_steps(metrics_path: str) -> list[dict]:
         return [r for r in map(json.loads, f) if "iter_time_s" in r]
 
 
+def train_and_close(trainer, meter: CpuMeter, steps: int) -> tuple[float, dict, float]:
+    """Train, then close (which drains the checkpointer: not part of any step); returns
+    (train seconds, the window's CPU split, close seconds)."""
+    try:
+        t0 = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - t0
+        cpu = meter.finish(steps)
+        t0 = time.perf_counter()
+        trainer.close()
+        return train_s, cpu, time.perf_counter() - t0
+    except BaseException:
+        # Stop the failed checkpointer's threads (best effort, bounded) so they do not load the
+        # next rows, and leave the process able to build the next Trainer (a new default group).
+        import torch.distributed as dist
+
+        if trainer.checkpointer is not None:
+            closer = threading.Thread(target=lambda: trainer.checkpointer.close(), daemon=True)
+            closer.start()
+            closer.join(30.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+
 def run_one(spec: str, tag: str, args, dirs: dict, rank: int) -> dict:
     """Train one row (a run spec, see split_spec) from scratch; returns its figures (rank 0's records)."""
     from megatier.config import compose_config
@@ -209,31 +265,14 @@ def run_one(spec: str, tag: str, args, dirs: dict, rank: int) -> dict:
     if row not in ("none", "megatier"):
         def factory(state):
             return make_baseline(row, state, remote, k or 1)
-    trainer = Trainer(compose_config(overrides + args.overrides), checkpointer=factory)
+    with HelperThreads() as helpers:  # from before the checkpointer's construction to after its close
+        trainer = Trainer(compose_config(overrides + args.overrides), checkpointer=factory)
+        meter = CpuMeter(helpers, args.warmup)
+        meter.instrument(trainer)
+        train_s, cpu, close_s = train_and_close(trainer, meter, args.iters - args.warmup)
     baseline = trainer.checkpointer if factory is not None else None
     manager = trainer.checkpointer if row == "megatier" else None
-    try:
-        t0 = time.perf_counter()
-        trainer.train()
-        train_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        trainer.close()  # drains the checkpointer: not part of any step
-        close_s = time.perf_counter() - t0
-    except BaseException:
-        # Stop the failed checkpointer's threads (best effort, bounded) so they do not load the
-        # next rows, and leave the process able to build the next Trainer (a new default group).
-        import threading
-
-        import torch.distributed as dist
-
-        if trainer.checkpointer is not None:
-            closer = threading.Thread(target=lambda: trainer.checkpointer.close(), daemon=True)
-            closer.start()
-            closer.join(30.0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        raise
-    out = {"row": spec, "k": k, "tag": tag, "train_s": train_s, "close_s": close_s}
+    out = {"row": spec, "k": k, "tag": tag, "train_s": train_s, "close_s": close_s, **cpu}
     if rank != 0:
         return out
     records = read_steps(os.path.join(run_dir, "metrics.jsonl"))
@@ -286,17 +325,37 @@ def schedule(rows: list[str], repeats: int) -> list[tuple[str, int]]:
 
 
 def paired_overheads(runs: list[dict]) -> None:
-    """Set ``overhead_pct`` of each checkpointing run against the mean of its neighbouring none runs."""
+    """Set ``overhead_pct`` (step time) and ``cpu_overhead_pct`` (process CPU per step) of each checkpointing
+    run against the mean of its neighbouring none runs."""
     ok = [x for x in runs if "error" not in x]
     for i, x in enumerate(ok):
         if x["row"] == "none":
             continue
         before = next((y for y in reversed(ok[:i]) if y["row"] == "none"), None)
         after = next((y for y in ok[i + 1:] if y["row"] == "none"), None)
-        refs = [y["mean_step_s"] for y in (before, after) if y is not None]
+        refs = [y for y in (before, after) if y is not None]
         if refs:
-            x["none_ref_s"] = statistics.fmean(refs)
+            x["none_ref_s"] = statistics.fmean(y["mean_step_s"] for y in refs)
             x["overhead_pct"] = 100.0 * (x["mean_step_s"] / x["none_ref_s"] - 1.0)
+        if refs and all("cpu_ms" in y for y in [x, *refs]):
+            x["none_ref_cpu_ms"] = statistics.fmean(y["cpu_ms"] for y in refs)
+            x["cpu_overhead_pct"] = 100.0 * (x["cpu_ms"] / x["none_ref_cpu_ms"] - 1.0)
+
+
+def cpu_summary(row: str, xs: list[dict]) -> dict:
+    """A row's CPU figures over its runs: median with min and max (``<key>_min``, ``<key>_max``) of the
+    process CPU per step, its paired overhead and the checkpoint CPU share; medians of the split."""
+    s = {}
+    for key in ("cpu_ms", "cpu_overhead_pct", "ckpt_cpu_pct"):
+        if all(key in x for x in xs):
+            vals = [x[key] for x in xs]
+            s.update({key: statistics.median(vals), f"{key}_min": min(vals), f"{key}_max": max(vals)})
+    if row == "none" and "cpu_ms" in s:
+        s.update(cpu_overhead_pct=0.0, cpu_overhead_pct_min=0.0, cpu_overhead_pct_max=0.0)
+    for key in ("helper_cpu_ms", "hook_cpu_ms", "train_cpu_ms"):
+        if all(key in x for x in xs):
+            s[key] = statistics.median(x[key] for x in xs)
+    return s
 
 
 def summarize(runs: list[dict], rows: list[str]) -> dict:
@@ -327,6 +386,7 @@ def summarize(runs: list[dict], rows: list[str]) -> dict:
             # mean of the none runs around a run of the row, so both minima are over equally many samples)
             # estimates the cost on a quiet machine.
             s["fastest_pct"] = 100.0 * (min(means) / min(refs) - 1.0)
+        s.update(cpu_summary(row, xs))
         if row == "megatier":
             diff = statistics.median(x["diff_bytes_per_step"] for x in xs)
             s.update(diff=xs[0]["diff"], tiers=xs[0]["tiers"], diff_bytes_per_step=diff,
@@ -343,6 +403,35 @@ def _mib(n) -> str:
 def _every(spec: str) -> str:
     row, k = split_spec(spec)
     return {"none": "-", "megatier": "1 (diff)", "in_memory_every_step": "1"}.get(row, str(k))
+
+
+def _span(s: dict, key: str, fmt: str) -> str:
+    return f"{s[key + '_min']:{fmt}}..{s[key + '_max']:{fmt}}" if key + "_min" in s else "-"
+
+
+def print_cpu_table(summary: dict, args) -> None:
+    """The same rows by CPU seconds (rank 0's process, user+sys), which other tenants of the box hardly move."""
+    rows = {spec: s for spec, s in summary.items() if s["runs"] and "cpu_ms" in s}
+    if not rows:
+        return
+    print()
+    print(f"CPU per step = user+sys CPU of the process (every thread) from the start of step {args.warmup + 1} to "
+          f"the end of the loop / {args.iters - args.warmup} steps; CPU ms = median over repeats (min..max);")
+    print("vs none = median over repeats of (run / mean of the `none` runs just before and after it) - 1 (min..max);")
+    print("helpers = Python threads the checkpointer started; in hook = after_step's CPU less the helpers' meanwhile;")
+    print("training = the rest; ckpt % = (helpers + in hook) / training (median over repeats, min..max)")
+    header = (f"{'row':<24} {'CPU ms':>8} {'min..max ms':>15} {'vs none':>8} {'min..max %':>15} "
+              f"{'helpers ms':>10} {'in hook ms':>10} {'training ms':>11} {'ckpt %':>7} {'min..max %':>13}")
+    print(header)
+    print("-" * len(header))
+    for spec, s in rows.items():
+        vs = f"{s['cpu_overhead_pct']:+.1f}%" if "cpu_overhead_pct" in s else "-"
+        ckpt = f"{s['ckpt_cpu_pct']:.2f}%" if "ckpt_cpu_pct" in s else "-"
+        print(f"{spec:<24} {s['cpu_ms']:>8.1f} {_span(s, 'cpu_ms', '.1f'):>15} {vs:>8} "
+              f"{_span(s, 'cpu_overhead_pct', '+.1f') if spec != 'none' else '-':>15} "
+              f"{s.get('helper_cpu_ms', 0.0):>10.2f} "
+              f"{s.get('hook_cpu_ms', 0.0):>10.2f} {s.get('train_cpu_ms', 0.0):>11.1f} {ckpt:>7} "
+              f"{_span(s, 'ckpt_cpu_pct', '.2f'):>13}")
 
 
 def print_report(summary: dict, args, full_state_bytes: int | None) -> None:
@@ -370,6 +459,7 @@ def print_report(summary: dict, args, full_state_bytes: int | None) -> None:
               f"{1000 * s['min_step_s']:>7.1f}..{1000 * s['max_step_s']:<7.1f} {over:>9} {span:>15} {fastest:>10} "
               f"{s['mean_stall_ms']:>9.2f} {s['max_stall_ms']:>9.1f} {_mib(s['bytes_per_checkpoint']):>9} "
               f"{_mib(s['disk_bytes_per_checkpoint']):>9}")
+    print_cpu_table(summary, args)
     failed = {r: s["failed"] for r, s in summary.items() if s.get("failed")}
     if failed:
         print("failed runs (left out above): " + ", ".join(f"{r} x{n}" for r, n in failed.items()))
@@ -388,8 +478,19 @@ def print_report(summary: dict, args, full_state_bytes: int | None) -> None:
             print(line)
 
 
+def _groups(summary: dict) -> dict[str, list[str]]:
+    """The baseline rows with a paired overhead, by how often they checkpoint ("every step", "K=25")."""
+    groups: dict[str, list[str]] = {}
+    for spec in summary:
+        if spec not in ("none", "megatier") and "overhead_pct" in summary[spec]:
+            k = split_spec(spec)[1]
+            groups.setdefault("every step" if k in (None, 1) else f"K={k}", []).append(spec)
+    return groups
+
+
 def verdict(summary: dict) -> list[str]:
-    """The target lines: MegaTier's overhead against TARGET_PCT, and whether it is the lowest row."""
+    """The target lines: MegaTier's overhead against TARGET_PCT, and whether it is the lowest row; then the
+    same by CPU (cpu_verdict)."""
     m = summary["megatier"]
     if "overhead_pct" not in m:
         return []
@@ -401,18 +502,34 @@ def verdict(summary: dict) -> list[str]:
         ok = m[key] <= TARGET_PCT
         lines.append(f"target ({label}): megatier {m[key]:+.1f}% {'<=' if ok else '>'} {TARGET_PCT}% -> "
                      f"{'MET' if ok else 'MISSED'}")
-    groups: dict[str, list[str]] = {}
-    for spec in summary:
-        if spec not in ("none", "megatier") and "overhead_pct" in summary[spec]:
-            k = split_spec(spec)[1]
-            groups.setdefault("every step" if k in (None, 1) else f"K={k}", []).append(spec)
-    for group, specs in groups.items():
+    for group, specs in _groups(summary).items():
         beaten = [sp for sp in specs if all(m[key] < summary[sp][key] for key in estimates.values()
                                             if key in m and key in summary[sp])]
         others = ", ".join(f"{sp} {summary[sp]['overhead_pct']:+.1f}% / {summary[sp].get('fastest_pct', 0.0):+.1f}%"
                            for sp in specs)
         lines.append(f"lowest against the rows checkpointing {group}: "
                      f"{'yes' if len(beaten) == len(specs) else 'no'} (paired median / of fastest: {others})")
+    return lines + cpu_verdict(summary)
+
+
+def cpu_verdict(summary: dict) -> list[str]:
+    """MegaTier's checkpoint CPU (median over repeats) against CPU_TARGET_PCT of its training CPU, and whether
+    its process CPU over the none runs' is the lowest of each group."""
+    m = summary["megatier"]
+    if "ckpt_cpu_pct" not in m:
+        return []
+    ok = m["ckpt_cpu_pct"] <= CPU_TARGET_PCT
+    lines = [f"target (CPU): megatier checkpoint CPU {m['ckpt_cpu_pct']:.2f}% of training CPU "
+             f"(min..max {_span(m, 'ckpt_cpu_pct', '.2f')}%) {'<=' if ok else '>'} {CPU_TARGET_PCT}% -> "
+             f"{'MET' if ok else 'MISSED'}"]
+    for group, specs in _groups(summary).items():
+        specs = [sp for sp in specs if "cpu_overhead_pct" in summary[sp]]
+        if not specs or "cpu_overhead_pct" not in m:
+            continue
+        lowest = all(m["cpu_overhead_pct"] < summary[sp]["cpu_overhead_pct"] for sp in specs)
+        others = ", ".join(f"{sp} {summary[sp]['cpu_overhead_pct']:+.1f}%" for sp in specs)
+        lines.append(f"lowest CPU against the rows checkpointing {group}: {'yes' if lowest else 'no'} "
+                     f"(megatier {m['cpu_overhead_pct']:+.1f}%; {others})")
     return lines
 
 
@@ -448,7 +565,8 @@ def main(argv=None) -> int:
             print(f"  [{i + 1:2d}] rep {rep} {row:<22} FAILED: {res['error']}", flush=True)
         else:
             print(f"  [{i + 1:2d}] rep {rep} {row:<22} mean step {1000 * res['mean_step_s']:.1f} ms "
-                  f"(stall {res['mean_stall_ms']:.2f} ms, close {res['close_s']:.1f} s)", flush=True)
+                  f"(stall {res['mean_stall_ms']:.2f} ms, close {res['close_s']:.1f} s), CPU {res['cpu_ms']:.1f} "
+                  f"ms/step, checkpoint {res['ckpt_cpu_pct']:.2f}% of training", flush=True)
         res.update(seq=i, rep=rep)
         runs.append(res)
     full_state_bytes = next((x["bytes_per_checkpoint"] for x in runs
@@ -460,6 +578,10 @@ def main(argv=None) -> int:
                    "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
                    "step_time": "iter_time_s + ckpt_stall_ms, mean over steps > warmup; row = median over repeats",
                    "overhead": "median over repeats of run / mean of the none runs just before and after it",
+                   "cpu": "user+sys CPU of rank 0's process from the start of step warmup+1 to the end of the loop "
+                          "per step (cpu_ms); helper_cpu_ms: Python threads the checkpointer started; hook_cpu_ms: "
+                          "after_step's CPU less the helpers' meanwhile; train_cpu_ms: the rest; ckpt_cpu_pct = "
+                          "(helper + hook) / train; cpu_overhead_pct: cpu_ms over the none runs around the run",
                    "summary": summary, "runs": runs}
         with open(args.out_json, "w") as f:
             json.dump(payload, f, indent=2)
