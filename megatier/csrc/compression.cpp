@@ -428,13 +428,18 @@ void check_cpu(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), op, ": ", name, " must be a CPU tensor here, got ", t.device());
 }
 
+// check_tensor (dtype, layout) and check_cpu in one: every CPU op's argument check.
+void check_cpu_tensor(const at::Tensor& t, const char* op, const char* name, at::ScalarType dtype) {
+  check_tensor(t, op, name, dtype);
+  check_cpu(t, op, name);
+}
+
 // The caller's ``out`` (checked: CPU, fp32, ``n`` elements) or a new fp32 tensor of ``n`` elements.
 at::Tensor float_output(const std::optional<at::Tensor>& out, int64_t n, const at::TensorOptions& opts,
                         const char* op) {
   if (!out.has_value()) return empty_output(n, opts.dtype(at::kFloat));
   const at::Tensor& res = *out;
-  check_tensor(res, op, "out", at::kFloat);
-  check_cpu(res, op, "out");
+  check_cpu_tensor(res, op, "out", at::kFloat);
   TORCH_CHECK(res.numel() == n, op, ": out has ", res.numel(), " elements, expected ", n);
   return res;
 }
@@ -447,17 +452,14 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_
                                                      std::optional<at::Tensor> codes_out,
                                                      std::optional<at::Tensor> scales_out) {
   const char* op = "quantize_int8";
-  check_tensor(x, op, "x", at::kFloat);
-  check_cpu(x, op, "x");
+  check_cpu_tensor(x, op, "x", at::kFloat);
   TORCH_CHECK(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
   const int64_t n = x.numel();
   const int64_t nb = (n + block_size - 1) / block_size;
   at::Tensor codes = codes_out.has_value() ? *codes_out : empty_output(n, x.options().dtype(at::kChar));
   at::Tensor scales = scales_out.has_value() ? *scales_out : at::empty({nb}, x.options().dtype(at::kFloat));
-  check_tensor(codes, op, "codes out", at::kChar);
-  check_tensor(scales, op, "scales out", at::kFloat);
-  check_cpu(codes, op, "codes out");
-  check_cpu(scales, op, "scales out");
+  check_cpu_tensor(codes, op, "codes out", at::kChar);
+  check_cpu_tensor(scales, op, "scales out", at::kFloat);
   TORCH_CHECK(codes.numel() == n && scales.numel() == nb, op, ": out tensors must have ", n, " codes and ", nb,
               " scales");
   const float* xp = x.data_ptr<float>();
@@ -475,10 +477,8 @@ std::tuple<at::Tensor, at::Tensor> quantize_int8_cpu(const at::Tensor& x, int64_
 at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales, int64_t block_size,
                                std::optional<at::Tensor> out) {
   const char* op = "dequantize_int8";
-  check_tensor(codes, op, "codes", at::kChar);
-  check_tensor(scales, op, "scales", at::kFloat);
-  check_cpu(codes, op, "codes");
-  check_cpu(scales, op, "scales");
+  check_cpu_tensor(codes, op, "codes", at::kChar);
+  check_cpu_tensor(scales, op, "scales", at::kFloat);
   TORCH_CHECK(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
   const int64_t n = codes.numel();
   const int64_t nb = (n + block_size - 1) / block_size;
@@ -500,8 +500,7 @@ at::Tensor dequantize_int8_cpu(const at::Tensor& codes, const at::Tensor& scales
 std::tuple<at::Tensor, at::Tensor> sparsify_topk_cpu(const at::Tensor& x, double ratio, int64_t sample_size,
                                                      int64_t seed) {
   const char* op = "sparsify_topk";
-  check_tensor(x, op, "x", at::kFloat);
-  check_cpu(x, op, "x");
+  check_cpu_tensor(x, op, "x", at::kFloat);
   check_ratio(ratio, sample_size, op);
   const int64_t n = x.numel();
   TORCH_CHECK(n <= kMaxTopkChunk, op, ": x has ", n, " elements, more than a chunk's 2^31-1; ",
@@ -519,10 +518,8 @@ at::Tensor densify_cpu(const at::Tensor& values, const at::Tensor& indices, int6
                        const std::optional<at::Tensor>& chunk_counts, int64_t chunk_size,
                        std::optional<at::Tensor> out) {
   const char* op = "densify";
-  check_tensor(values, op, "values", at::kHalf);
-  check_tensor(indices, op, "indices", at::kInt);
-  check_cpu(values, op, "values");
-  check_cpu(indices, op, "indices");
+  check_cpu_tensor(values, op, "values", at::kHalf);
+  check_cpu_tensor(indices, op, "indices", at::kInt);
   TORCH_CHECK(values.numel() == indices.numel(), op, ": values has ", values.numel(), " elements but indices has ",
               indices.numel(), "; pass the pair returned by sparsify_topk");
   TORCH_CHECK(n >= 0, op, ": n must be >= 0, got ", n);
@@ -531,8 +528,7 @@ at::Tensor densify_cpu(const at::Tensor& values, const at::Tensor& indices, int6
   const int64_t nchunks = n == 0 ? 0 : (n + chunk_size - 1) / chunk_size;
   std::vector<int64_t> counts;
   if (chunk_counts.has_value() && chunk_counts->defined()) {
-    check_tensor(*chunk_counts, op, "chunk_counts", at::kLong);
-    check_cpu(*chunk_counts, op, "chunk_counts");
+    check_cpu_tensor(*chunk_counts, op, "chunk_counts", at::kLong);
     TORCH_CHECK(chunk_counts->numel() == nchunks, op, ": chunk_counts has ", chunk_counts->numel(),
                 " entries but n=", n, " in chunks of ", chunk_size, " has ", nchunks);
     const int64_t* cc = chunk_counts->data_ptr<int64_t>();
@@ -583,8 +579,7 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
                                               const std::vector<int64_t>& codecs, double ratio, int64_t block_size,
                                               int64_t sample_size, int64_t seed, int64_t chunk_size) {
   const char* op = "compress_segments";
-  check_tensor(flat, op, "flat", at::kFloat);
-  check_cpu(flat, op, "flat");
+  check_cpu_tensor(flat, op, "flat", at::kFloat);
   check_ratio(ratio, sample_size, op);
   TORCH_CHECK(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
   TORCH_CHECK(chunk_size >= 1 && chunk_size <= kMaxTopkChunk, op, ": chunk_size must be in [1, 2^31-1], got ",
@@ -696,8 +691,7 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
 
 void decompress_into_cpu(at::Tensor& out, const GradSpec& spec) {
   const char* op = "decompress_segments";
-  check_tensor(out, op, "out", at::kFloat);
-  check_cpu(out, op, "out");
+  check_cpu_tensor(out, op, "out", at::kFloat);
   const int64_t n = out.numel();
   Grad g = parse_grad(spec, n, out.device(), op, "record", /*check_indices=*/true);
   float* dst = out.data_ptr<float>();
