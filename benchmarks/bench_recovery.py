@@ -32,24 +32,56 @@ recomputed optimizer state, which must be 0. The fused-vs-recompute difference o
 the configured (lossy) compression is printed too: that is the compression error.
 The speedups are sequential / fused and recompute / (fused + decode).
 
-classes -- recovery time per failure class. One run of ``megatier-drill``
-per class (software, node, rack) on ``--nodes`` x ``--procs-per-node`` simulated
-processes, killed after step ``--at-step``. MegaTier's recovery time is the record's
-t_consensus + t_rollback + t_replay (each the slowest rank's, so the sum is a slight
-over-estimate). The baseline is reloading the newest full checkpoint from Tier-3 and
-recomputing the lost steps: (time to ``torch.load`` a full model + optimizer state of
-the same model from a directory in the work dir, measured here in a world of one,
-i.e. every rank's state together) + (steps since that checkpoint, with a full
-checkpoint every ``--baseline-k`` steps: the failure step minus the previous multiple
-of K) x (mean ``iter_time_s`` of the drill's own steps from its metrics.jsonl).
-MegaTier also loses the steps between its recovery point E and the failure; the
-table shows its total with those steps recomputed as well. The seed's Table 3
-(GPT2 20B) is printed alongside for reference; its scale is not ours.
+classes -- recovery time per failure class (000_*.txt Table 3, Exp#4), expected over failure
+points spread uniformly across one base interval B (``--base-interval``, default 20). For each
+class (software, node, rack) and each of ``--points`` N offsets o, spread evenly over 1..B-1
+(o = 1: one step after a base, the best case; o = B-1: one step before the next, the worst;
+N = 2 is TierCheck's mean of the best and the worst case), one ``megatier-drill`` run on
+``--nodes`` x ``--procs-per-node`` simulated processes kills a fresh job after step B + o,
+in its second interval, so a base and its chain lie behind it as in a long run (a rack
+failure just after a base recovers from the one before). One drill per point rather than
+several failures per drill: a relaunch re-bases at its recovery point E, and E is not known
+in advance (a node failure loses 0 to 2 steps, a rack failure what Tier-3 had not yet
+committed), so a second failure in the same drill would not land where intended.
 
-    python benchmarks/bench_recovery.py                               # both parts, ~3 + ~4 min on 2 cores
+MegaTier, per point:
+  restore + rerun  t_consensus + t_rollback + t_replay from the recovery record (the slowest
+                   rank's each, so the sum slightly over-estimates) + the steps lost (failure
+                   step - E) x the step time;
+  end to end       from the kill to the relaunched job past the failed step. A watch thread
+                   polls the job's metrics.jsonl and the drill's output every 20 ms and
+                   stamps each new line with the wall clock (the records carry none), giving
+                   stop       kill (launch 0's record of the failure step: the victims kill
+                              themselves right after it) -> the drill announces the relaunch
+                              (the launcher notices, gives the survivors the drill's
+                              --fail-grace-s, 5 s, and stops them; node/rack wipes);
+                   build      -> the relaunch's metrics file appears (torchrun, imports,
+                              rendezvous, process groups, data, model, optimizer);
+                   ckpt init  -> its recovery record, less restore (checkpointer and tiers,
+                              tiers started, the re-base at E);
+                   restore    the record's consensus + rollback + replay;
+                   first step -> its first step record (the step and its checkpoint stall);
+                   rerun      the lost steps again x the step time (to be past the failed step).
+
+The baseline -- a full ``torch.save`` checkpoint every ``--baseline-k`` K steps, reload,
+recompute -- at the same points, as fractions of its own interval: point i of N fails
+i/(N-1) x (K-1) steps after its checkpoint, (K-1)/2 on average. Its restore + rerun is the
+time to ``torch.load`` a full model + optimizer state of the same model (measured here, in
+a world of one: every rank's state together, from the page cache) + those steps x the step
+time; its end to end adds the stop, build and first step measured for MegaTier at that
+point, which a relaunch pays whatever it restores from. The step time is the mean
+``iter_time_s`` over every step of every drill (the step without its checkpoint stall).
+
+Expected = the mean over the points; speedup = baseline / MegaTier of the expected times,
+against the issue's targets for restore + rerun (10x software, 8x node, 4x rack). Tables:
+every point, MegaTier's expected end-to-end time part by part with the part that dominates,
+and per class the expected restore + rerun and end-to-end times of both with the seed's
+Table 3 (GPT2 20B; its scale is not ours) alongside.
+
+    python benchmarks/bench_recovery.py                               # both parts, ~3 + ~14 min on 2 cores
     python benchmarks/bench_recovery.py --part replay --chains 10,50,100 -- checkpoint.diff.compression=fp32
-    python benchmarks/bench_recovery.py --part classes --at-step 39 --out-json rec.json
-    python benchmarks/bench_recovery.py --quick --part replay -- data.prefix=data/mine   # a smoke run, model=tiny
+    python benchmarks/bench_recovery.py --part classes --points 5 --out-json rec.json
+    python benchmarks/bench_recovery.py --quick --part classes -- data.prefix=data/mine   # smoke: tiny, B=10, 2 points
 
 Hydra overrides after ``--`` go to every run (the in-process Trainer and each
 drill's job). The in-process runs are a world of one, so ``parallel.tp=1
@@ -66,6 +98,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -79,6 +113,7 @@ from megatier.config import split_overrides  # noqa: E402
 
 PARTS = ("replay", "classes", "all")
 CLASSES = ("software", "node", "rack")
+TARGETS = {"software": 10.0, "node": 8.0, "rack": 4.0}  # restore + rerun speedup over the baseline (the issue)
 MIB = 1 << 20
 
 
@@ -130,11 +165,13 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--nodes", type=int, default=2, help="drill: simulated nodes")
     p.add_argument("--procs-per-node", type=int, default=2, help="drill: processes per node")
     p.add_argument("--classes", default=",".join(CLASSES), help="drill: failure classes, comma-separated")
-    p.add_argument("--at-step", type=int, default=None, help="drill: the step after which the failure strikes "
-                                                             "(default 19, late in a base interval of 20: the "
-                                                             "base's Tier-2 replica is paced over the first 16 "
-                                                             "steps, so a node failure is served from Tier-2; "
-                                                             "--quick: 9)")
+    p.add_argument("--base-interval", type=int, default=None, help="drill: checkpoint.base_interval, the interval "
+                                                                   "the failure points spread over (default 20; "
+                                                                   "--quick: 10)")
+    p.add_argument("--points", type=int, default=None, help="drill: failure points per class, spread evenly from "
+                                                            "one step after a base to one step before the next, "
+                                                            "one drill each (default 3; --quick: 2, the best and "
+                                                            "the worst case)")
     p.add_argument("--baseline-k", type=int, default=50, help="baseline: a full checkpoint every K steps")
     p.add_argument("--drill-script", default=str(REPO / "scripts" / "failure_drill.py"),
                    help="the failure drill to run (tests point this at a fake)")
@@ -155,15 +192,21 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     args.chains = [int(c) for c in (args.chains or ("5,10" if quick else "10,50,100")).split(",") if c.strip()]
     args.warmup = args.warmup if args.warmup is not None else (2 if quick else 10)
     args.repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
-    args.at_step = args.at_step if args.at_step is not None else (9 if quick else 19)
+    args.base_interval = args.base_interval if args.base_interval is not None else (10 if quick else 20)
+    args.points = args.points if args.points is not None else (2 if quick else 3)
     args.classes = [c.strip() for c in args.classes.split(",") if c.strip()]
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not args.chains or min(args.chains) < 1:
         p.error(f"--chains {args.chains}: give positive lengths")
-    if args.warmup < 1 or args.repeats < 1 or args.baseline_k < 1 or args.at_step < 1:
-        p.error("--warmup, --repeats, --baseline-k and --at-step must be >= 1")
+    if args.warmup < 1 or args.repeats < 1 or args.baseline_k < 2:
+        p.error("--warmup and --repeats must be >= 1, --baseline-k >= 2")
+    if not 2 <= args.points <= args.base_interval - 1:
+        p.error(f"--points {args.points}: give 2 (best and worst case) to --base-interval - 1 "
+                f"({args.base_interval - 1}, every step of an interval)")
+    if any(o.lstrip("+~").startswith("checkpoint.base_interval=") for o in args.overrides):
+        p.error("set the drill's base interval with --base-interval (the failure points are placed in it)")
     unknown = [c for c in args.classes if c not in CLASSES]
     if unknown:
         p.error(f"--classes: unknown {unknown}; choose from {', '.join(CLASSES)}")
@@ -179,14 +222,13 @@ def replay_overrides(args: argparse.Namespace, iters: int, run_dir: str) -> list
     return ours + list(args.overrides) + ["parallel.tp=1", "parallel.pp=1"]
 
 
-def drill_overrides(args: argparse.Namespace) -> list[str]:
-    """The drill job's config: a base interval of 20 and a few steps left after the failure."""
+def drill_overrides(args: argparse.Namespace, iters: Optional[int]) -> list[str]:
+    """The drill job's config (``iters`` None: without train.iters, for the report)."""
     # micro-batch x dp must divide the global batch: dp is nodes x procs-per-node with tp = pp = 1.
-    size = (["model=tiny", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1",
-             "checkpoint.base_interval=10"] if args.quick else
-            ["model=small", "train.global_batch_size=8", "train.micro_batch_size=2", "checkpoint.base_interval=20"])
-    return size + [f"train.iters={args.at_step + 8}", "train.eval_iters=0", "logging.wandb.mode=disabled",
-                   *args.overrides]
+    size = (["model=tiny", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1"]
+            if args.quick else ["model=small", "train.global_batch_size=8", "train.micro_batch_size=2"])
+    return size + [f"checkpoint.base_interval={args.base_interval}", *([f"train.iters={iters}"] if iters else []),
+                   "train.eval_iters=0", "logging.wandb.mode=disabled", *args.overrides]
 
 
 def compose(overrides: list[str]):
@@ -387,12 +429,141 @@ def format_replay_report(out: dict) -> str:
     ])
 
 
+# ---- classes part: failure points ---------------------------------------------------------------
+
+def point_offsets(points: int, interval: int) -> list[int]:
+    """Where in a base interval B the failures strike: ``points`` offsets o spread evenly over 1..B-1 (one step
+    after the base, the best case, to one step before the next, the worst), both ends included."""
+    span = interval - 2
+    return [1 + int(i * span / (points - 1) + 0.5) for i in range(points)]
+
+
+def point_fractions(points: int) -> list[float]:
+    """The same points as fractions of an interval, 0 (best) to 1 (worst): where the baseline's failures strike."""
+    return [i / (points - 1) for i in range(points)]
+
+
+def failure_step(offset: int, interval: int) -> int:
+    """The step after which a point's failure strikes: offset o into a fresh job's second base interval, so the
+    first base's chain is behind it as in a long run (a rack failure just after a base needs the one before)."""
+    return interval + offset
+
+
+# ---- classes part: watching a drill -------------------------------------------------------------
+
+class Tail:
+    """A file's new lines as they appear, each with the wall-clock time it was first seen. Follows the path across
+    a rename and re-create (the metrics logger keeps each launch's file as metrics.<n>.jsonl): every new file is
+    an *incarnation*, 0 the first."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.opened: list[float] = []  # when each incarnation was first seen
+        self.lines: list[tuple[float, int, str]] = []  # (seen, incarnation, line)
+        self._file = None
+        self._inode: Optional[int] = None
+        self._partial = ""
+
+    def poll(self, now: float) -> None:
+        try:
+            inode = os.stat(self.path).st_ino
+        except OSError:
+            inode = None
+        if inode is not None and inode != self._inode:
+            self._read(now)  # the last lines of the file that was renamed away
+            self._open(now)
+        self._read(now)
+
+    def _open(self, now: float) -> None:
+        self.close()
+        try:
+            self._file = open(self.path, errors="replace")
+        except OSError:
+            return  # gone again; the next poll retries
+        self._inode = os.fstat(self._file.fileno()).st_ino
+        self._partial = ""
+        self.opened.append(now)
+
+    def _read(self, now: float) -> None:
+        if self._file is None:
+            return
+        *complete, self._partial = (self._partial + self._file.read()).split("\n")
+        self.lines += [(now, len(self.opened) - 1, line) for line in complete if line.strip()]
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class Watch:
+    """Polls some Tails every ``poll_s`` seconds from a thread while a drill runs (``with Watch(tails): ...``)."""
+
+    def __init__(self, tails: Sequence[Tail], poll_s: float = 0.02):
+        self.tails, self.poll_s = tails, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-recovery-watch", daemon=True)
+
+    def _poll(self) -> None:
+        now = time.time()
+        for t in self.tails:
+            t.poll(now)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._poll()
+
+    def __enter__(self) -> "Watch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
+        for t in self.tails:
+            t.close()
+
+
+def _is_step(record: dict) -> bool:
+    return "loss" in record and record.get("event") is None
+
+
+def timeline(metrics: Tail, drill_log: Tail, at_step: int) -> Optional[dict]:
+    """Wall-clock times of one failure and its recovery as the watch saw them (None if it missed any):
+
+    kill       launch 0's record of step ``at_step`` (the victims kill themselves right after it)
+    relaunch   the drill's line announcing launch 1 (after the old launch is gone and what the class loses wiped)
+    built      launch 1's metrics file appears: process groups, data, model and optimizer are built
+    recovered  its recovery record: the checkpointer is built and restore() done
+    first      its first step record
+    """
+    records = [(t, k, json.loads(line)) for t, k, line in metrics.lines]
+
+    def seen(match) -> Optional[float]:
+        return next((t for t, k, r in records if match(k, r)), None)
+
+    times = {"kill": seen(lambda k, r: k == 0 and _is_step(r) and r["step"] == at_step),
+             "relaunch": next((t for t, _, line in drill_log.lines if "launch1-" in line), None),
+             "built": metrics.opened[1] if len(metrics.opened) > 1 else None,
+             "recovered": seen(lambda k, r: k == 1 and r.get("event") == "recovery"),
+             "first": seen(lambda k, r: k == 1 and _is_step(r))}
+    return times if None not in times.values() else None
+
+
+def phases(times: dict, restore_s: float) -> dict:
+    """The end-to-end path of one recovery in seconds, from :func:`timeline` and the record's restore time."""
+    return {"stop_s": times["relaunch"] - times["kill"], "build_s": times["built"] - times["relaunch"],
+            "ckpt_init_s": times["recovered"] - times["built"] - restore_s, "restore_s": restore_s,
+            "first_step_s": times["first"] - times["recovered"]}
+
+
 # ---- classes part: the drills -------------------------------------------------------------------
 
-def drill_command(args: argparse.Namespace, failure: str, work: str, json_path: str) -> list[str]:
+def drill_command(args: argparse.Namespace, failure: str, at_step: int, work: str, json_path: str) -> list[str]:
     return [sys.executable, args.drill_script, "--nodes", str(args.nodes), "--procs-per-node",
-            str(args.procs_per_node), "--fail", failure, "--at-step", str(args.at_step), "--work-dir", work,
-            "--json", json_path, "--", *drill_overrides(args)]
+            str(args.procs_per_node), "--fail", failure, "--at-step", str(at_step), "--work-dir", work,
+            "--json", json_path, "--", *drill_overrides(args, at_step + 1)]
 
 
 def run_drill(cmd: list[str], json_path: str, log_path: str, timeout_s: float) -> dict:
@@ -417,28 +588,52 @@ def run_drill(cmd: list[str], json_path: str, log_path: str, timeout_s: float) -
     return report
 
 
+def run_point(args: argparse.Namespace, work: str, failure: str, offset: int) -> tuple[dict, Optional[dict]]:
+    """One drill: a ``failure`` at ``offset`` into the second base interval; its report and :func:`timeline`."""
+    at_step = failure_step(offset, args.base_interval)
+    name = f"drill-{failure}-o{offset}"
+    drill_work, json_path, log_path = (os.path.join(work, name + ext) for ext in ("", ".json", ".log"))
+    # The drill keeps its job under <work-dir>/drill (make_job) and its metrics in run/ there.
+    tails = [Tail(os.path.join(drill_work, "drill", "run", "metrics.jsonl")), Tail(log_path)]
+    print(f"classes: {failure} failure after step {at_step} (o={offset}) on {args.nodes}x{args.procs_per_node} "
+          f"processes ...", flush=True)
+    t = time.perf_counter()
+    with Watch(tails):
+        report = run_drill(drill_command(args, failure, at_step, drill_work, json_path), json_path, log_path,
+                           args.drill_timeout_s)
+    print(f"  drill done in {time.perf_counter() - t:.0f} s", flush=True)
+    return report, timeline(*tails, at_step)
+
+
 def tail(path: str, lines: int = 20) -> str:
     with open(path, errors="replace") as f:
         return "".join(f.readlines()[-lines:])
 
 
-def mean_step_time(run_dir: Optional[str]) -> Optional[float]:
-    """Mean iter_time_s over the step records of every launch's metrics file in ``run_dir``."""
+def step_times(run_dir: Optional[str]) -> list[float]:
+    """iter_time_s of the step records of every launch's metrics file in ``run_dir``."""
     times = []
     for path in sorted(glob.glob(os.path.join(run_dir, "metrics*.jsonl"))) if run_dir else []:
         with open(path) as f:
             times += [r["iter_time_s"] for r in map(json.loads, filter(str.strip, f)) if "iter_time_s" in r]
+    return times
+
+
+def mean_step_time(run_dirs: Sequence[Optional[str]]) -> Optional[float]:
+    """Mean iter_time_s over every step of every drill (the same job, so one step time for all)."""
+    times = [t for d in run_dirs for t in step_times(d)]
     return statistics.fmean(times) if times else None
 
 
 # ---- classes part: the baseline -----------------------------------------------------------------
 
-def baseline_lost_steps(at_step: int, k: int) -> int:
-    """Steps a full-checkpoint-every-K run recomputes after failing at ``at_step`` (back to a multiple of K)."""
-    return at_step % k
+def baseline_rerun_steps(fraction: float, k: int) -> float:
+    """Steps a full-checkpoint-every-K run recomputes when it fails ``fraction`` of the way through its K
+    interval (0: right after a checkpoint, 1: K - 1 steps after it); uniform points average (K - 1) / 2."""
+    return fraction * (k - 1)
 
 
-def baseline_time(load_s: float, lost_steps: int, step_s: float) -> float:
+def baseline_time(load_s: float, lost_steps: float, step_s: float) -> float:
     """Reload the newest full checkpoint, then recompute the steps since it."""
     return load_s + lost_steps * step_s
 
@@ -456,8 +651,8 @@ def measure_full_load(args: argparse.Namespace, work: str, steps: int = 4) -> di
     from benchmarks.baselines import full_state, tensor_bytes
     from megatier.training.trainer import Trainer
 
-    cfg = compose(drill_overrides(args) + [f"logging.run_dir={work}/load-run", "checkpoint=disabled",
-                                           "logging.progress=false", "parallel.tp=1", "parallel.pp=1"])
+    cfg = compose(drill_overrides(args, steps) + [f"logging.run_dir={work}/load-run", "checkpoint=disabled",
+                                                  "logging.progress=false", "parallel.tp=1", "parallel.pp=1"])
     trainer = Trainer(cfg)
     try:
         times = [trainer.train_step(s)["iter_time_s"] for s in range(1, steps + 1)]
@@ -475,81 +670,171 @@ def measure_full_load(args: argparse.Namespace, work: str, steps: int = 4) -> di
         trainer.close()
 
 
-def class_row(failure: str, report: dict, load: dict, k: int) -> dict:
-    """One failure class's figures from its drill report and the measured full-checkpoint load."""
-    rec = report["recoveries"][0]
-    at_step = report.get("at_steps", [None])[0]
-    step_s = mean_step_time(report.get("run_dir"))
-    step_source = "drill metrics"
-    if step_s is None:
-        step_s, step_source = load["step_s_world1"], "measured here (world of one)"
-    lost = rec.get("steps_lost_drill", rec.get("steps_lost"))
-    lost = lost if lost is not None else at_step - rec["end"]
-    megatier_s = rec["t_consensus_s"] + rec["t_rollback_s"] + rec["t_replay_s"]
-    base_lost = baseline_lost_steps(at_step, k)
-    return {"class": failure, "detected_class": rec["failure_class"], "at_step": at_step,
-            "version": rec["version"], "end": rec["end"], "source_tiers": rec["source_tiers"],
-            "t_consensus_s": rec["t_consensus_s"], "t_rollback_s": rec["t_rollback_s"],
-            "t_replay_s": rec["t_replay_s"], "megatier_s": megatier_s, "megatier_steps_lost": lost,
-            "megatier_with_rerun_s": megatier_s + lost * step_s, "bytes_tier1": rec["bytes_tier1"],
-            "bytes_tier2": rec["bytes_tier2"], "bytes_tier3": rec["bytes_tier3"], "step_s": step_s,
-            "step_source": step_source, "baseline_load_s": load["load_s"], "baseline_lost_steps": base_lost,
-            "baseline_s": baseline_time(load["load_s"], base_lost, step_s), "final_loss": report.get("final_loss")}
+# ---- classes part: figures ----------------------------------------------------------------------
 
+def point_row(failure: str, offset: int, fraction: float, report: dict, times: Optional[dict], step_s: float,
+              load_s: float, k: int) -> dict:
+    """One failure point: MegaTier's restore + rerun and end to end, and the baseline's at the same fraction."""
+    rec = report["recoveries"][0]
+    at_step = report["at_steps"][0]
+    lost = rec.get("steps_lost_drill", at_step - rec["end"])
+    restore_s = rec["t_consensus_s"] + rec["t_rollback_s"] + rec["t_replay_s"]
+    base_lost = baseline_rerun_steps(fraction, k)
+    row = {"class": failure, "offset": offset, "fraction": fraction, "at_step": at_step,
+           "detected_class": rec["failure_class"], "version": rec["version"], "end": rec["end"],
+           "source_tiers": rec["source_tiers"], "t_consensus_s": rec["t_consensus_s"],
+           "t_rollback_s": rec["t_rollback_s"], "t_replay_s": rec["t_replay_s"], "restore_s": restore_s,
+           "steps_lost": lost, "rerun_s": lost * step_s, "restore_rerun_s": restore_s + lost * step_s,
+           "bytes_tier1": rec["bytes_tier1"], "bytes_tier2": rec["bytes_tier2"], "bytes_tier3": rec["bytes_tier3"],
+           "baseline_lost_steps": base_lost, "baseline_restore_rerun_s": baseline_time(load_s, base_lost, step_s),
+           "times": times, "e2e_s": None, "baseline_e2e_s": None}
+    if times is not None:
+        row.update(phases(times, restore_s))
+        common = row["stop_s"] + row["build_s"] + row["first_step_s"]  # what a baseline relaunch pays too
+        # Back past the failure: the first step after restore, then the `lost` steps to step at_step + 1.
+        row["e2e_s"] = common + row["ckpt_init_s"] + row["restore_rerun_s"]
+        row["baseline_e2e_s"] = common + row["baseline_restore_rerun_s"]
+    return row
+
+
+E2E_PARTS = (("stop_s", "stop"), ("build_s", "start+build"), ("ckpt_init_s", "ckpt init"), ("restore_s", "restore"),
+             ("first_step_s", "first step"), ("rerun_s", "rerun"))
+
+
+def dominant(parts: dict) -> str:
+    """The largest part of MegaTier's end-to-end time, with its share."""
+    key, label = max(E2E_PARTS, key=lambda p: parts[p[0]])
+    return f"{label} {parts[key]:.2f} s ({100 * parts[key] / sum(parts[p] for p, _ in E2E_PARTS):.0f}%)"
+
+
+def class_summary(failure: str, rows: list[dict]) -> dict:
+    """Expected figures of one class: means over its points (uniform over a base interval)."""
+    def mean(key: str) -> float:
+        return statistics.fmean(r[key] for r in rows)
+
+    rr = [r["restore_rerun_s"] for r in rows]
+    out = {"class": failure, "points": len(rows), "restore_rerun_s": mean("restore_rerun_s"),
+           "best_worst_mean_s": (min(rr) + max(rr)) / 2, "baseline_restore_rerun_s": mean("baseline_restore_rerun_s"),
+           "target": TARGETS[failure], "e2e_s": None, "baseline_e2e_s": None, "e2e_parts": None}
+    out["speedup"] = out["baseline_restore_rerun_s"] / out["restore_rerun_s"]
+    out["target_met"] = out["speedup"] >= out["target"]
+    if all(r["e2e_s"] is not None for r in rows):
+        out["e2e_parts"] = {key: mean(key) for key, _ in E2E_PARTS}
+        out.update(e2e_s=mean("e2e_s"), baseline_e2e_s=mean("baseline_e2e_s"), dominant=dominant(out["e2e_parts"]))
+        out["e2e_speedup"] = out["baseline_e2e_s"] / out["e2e_s"]
+    return out
+
+
+# ---- classes part: report -----------------------------------------------------------------------
 
 def tiers_text(source_tiers: dict) -> str:
     return "+".join(f"{t}x{n}" for t, n in source_tiers.items() if n) or "-"
 
 
-def format_classes_table(rows: list[dict], k: int, seed: Sequence[Table3Row] = SEED_TABLE3) -> str:
-    """Per class: MegaTier's phases and total, the baseline's load + rerun, the speedup, the seed's TierCheck row."""
-    head = (f"{'class':<9} {'bases from':<16} {'V->E':>8} {'consens':>8} {'rollback':>9} {'replay':>8} "
-            f"{'MegaTier':>9} {'+rerun':>8} {'lost':>5} {'base load':>10} {'lost':>5} {'baseline':>9} "
-            f"{'speedup':>8} | {'seed TierCheck roll/rerun/total':>31}")
+def _s(value: Optional[float], width: int, digits: int = 2) -> str:
+    return f"{'-':>{width}}" if value is None else f"{value:>{width}.{digits}f}"
+
+
+def format_points_table(rows: list[dict]) -> str:
+    """One line per drill: where it failed, what recovery did, the end-to-end phases, the baseline there."""
+    head = (f"{'class':<9} {'o':>3} {'step':>5} {'V->E':>8} {'bases from':<16} {'lost':>4} {'restore':>8} "
+            f"{'rerun':>7} {'r+r':>7} | {'stop':>6} {'build':>7} {'ckpt':>6} {'1st stp':>7} {'e2e':>7} | "
+            f"{'b.lost':>6} {'b.r+r':>7} {'b.e2e':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        ref = next((s for s in seed if s.system == "TierCheck" and s.failure == r["class"]), None)
-        ref_text = f"{ref.rollback_s:.1f} / {ref.rerun_s:.1f} / {ref.total_s:.1f} s" if ref else "-"
         lines.append(
-            f"{r['class']:<9} {tiers_text(r['source_tiers']):<16} {r['version']:>3}->{r['end']:<4} "
-            f"{r['t_consensus_s']:>8.3f} {r['t_rollback_s']:>9.3f} {r['t_replay_s']:>8.3f} {r['megatier_s']:>9.3f} "
-            f"{r['megatier_with_rerun_s']:>8.3f} {r['megatier_steps_lost']:>5} {r['baseline_load_s']:>10.3f} "
-            f"{r['baseline_lost_steps']:>5} {r['baseline_s']:>9.3f} "
-            f"{r['baseline_s'] / r['megatier_with_rerun_s']:>7.1f}x | "
-            f"{ref_text:>31}")
-    others = ", ".join(f"{s.system} {s.rollback_s:.1f} + {s.rerun_s:.1f} = {s.total_s:.1f} s"
-                       for s in seed if s.system != "TierCheck")
-    lines.append(f"seed baselines (all classes, GPT2 20B, 000_*.txt Table 3): {others}")
-    lines.append(f"MegaTier = t_consensus + t_rollback + t_replay (slowest rank each); +rerun adds its lost steps x "
-                 f"step time; baseline = full-state torch.load + (failure step mod K={k}) x step time; speedup = "
-                 f"baseline / (MegaTier +rerun), both back at the failure step")
+            f"{r['class']:<9} {r['offset']:>3} {r['at_step']:>5} {r['version']:>3}->{r['end']:<4} "
+            f"{tiers_text(r['source_tiers']):<16} {r['steps_lost']:>4} {r['restore_s']:>8.3f} {r['rerun_s']:>7.3f} "
+            f"{r['restore_rerun_s']:>7.3f} | {_s(r.get('stop_s'), 6)} {_s(r.get('build_s'), 7)} "
+            f"{_s(r.get('ckpt_init_s'), 6)} {_s(r.get('first_step_s'), 7)} {_s(r['e2e_s'], 7)} | "
+            f"{r['baseline_lost_steps']:>6.1f} {r['baseline_restore_rerun_s']:>7.3f} {_s(r['baseline_e2e_s'], 7)}")
     return "\n".join(lines)
 
 
+def format_phases_table(summaries: list[dict]) -> str:
+    """MegaTier's expected end-to-end time per class, part by part, and what dominates it."""
+    head = (f"{'class':<9} " + " ".join(f"{label:>11}" for _, label in E2E_PARTS) + f" {'total':>8}  dominated by")
+    lines = [head, "-" * len(head)]
+    for s in summaries:
+        if s["e2e_parts"] is None:
+            lines.append(f"{s['class']:<9} (no timeline: the watch missed a launch's metrics or the drill's lines)")
+            continue
+        parts = " ".join(f"{s['e2e_parts'][key]:>11.2f}" for key, _ in E2E_PARTS)
+        lines.append(f"{s['class']:<9} {parts} {s['e2e_s']:>8.2f}  {s['dominant']}")
+    return "\n".join(lines)
+
+
+def format_summary_table(summaries: list[dict], seed: Sequence[Table3Row] = SEED_TABLE3) -> str:
+    """Per class: expected restore + rerun of both systems against the target, end to end, the seed's Table 3."""
+    head = (f"{'class':<9} {'pts':>3} {'MegaTier r+r':>12} {'(b+w)/2':>8} {'baseline r+r':>12} {'speedup':>8} "
+            f"{'target':>11} | {'MegaTier e2e':>12} {'baseline e2e':>12} {'speedup':>8} | "
+            f"{'seed TierCheck roll/rerun/total':>31}")
+    lines = [head, "-" * len(head)]
+    for s in summaries:
+        ref = next((r for r in seed if r.system == "TierCheck" and r.failure == s["class"]), None)
+        ref_text = f"{ref.rollback_s:.1f} / {ref.rerun_s:.1f} / {ref.total_s:.1f} s" if ref else "-"
+        e2e_speedup = f"{s['e2e_speedup']:>7.2f}x" if s["e2e_s"] is not None else f"{'-':>8}"
+        lines.append(
+            f"{s['class']:<9} {s['points']:>3} {s['restore_rerun_s']:>10.3f} s {s['best_worst_mean_s']:>6.3f} s "
+            f"{s['baseline_restore_rerun_s']:>10.3f} s {s['speedup']:>7.1f}x "
+            f"{s['target']:>4.0f}x {'met' if s['target_met'] else 'MISSED':>6} | {_s(s['e2e_s'], 10)} s "
+            f"{_s(s['baseline_e2e_s'], 10)} s {e2e_speedup} | {ref_text:>31}")
+    others = ", ".join(f"{r.system} {r.rollback_s:.1f} + {r.rerun_s:.1f} = {r.total_s:.1f} s"
+                       for r in seed if r.system != "TierCheck")
+    lines.append(f"seed baselines (all classes, GPT2 20B, 000_*.txt Table 3): {others}")
+    return "\n".join(lines)
+
+
+POINTS_LEGEND = (
+    "per failure point (seconds): restore = t_consensus + t_rollback + t_replay (slowest rank each); rerun = lost x "
+    "step; e2e phases: stop = kill -> relaunch (launcher notices, survivors' --fail-grace-s, teardown), build = "
+    "relaunch -> metrics logger up (torchrun, imports, process groups, data, model, optimizer), ckpt = -> recovery "
+    "record less restore (checkpointer, tiers, re-base), 1st stp = -> first step record; e2e = stop + build + ckpt + "
+    "restore + 1st stp + rerun (back past the failed step); b.* = baseline, a full checkpoint every K={k} steps")
+SUMMARY_LEGEND = (
+    "expected per class = mean over the points, uniform over one base interval ((b+w)/2 = mean of the best and the "
+    "worst, TierCheck's Table 3 definition); baseline r+r = torch.load + (K-1)/2 x step on average (point i of N "
+    "fails i/(N-1) x (K-1) steps after its checkpoint); baseline e2e = stop + build + 1st stp (measured, MegaTier's) "
+    "+ baseline r+r; speedup = baseline / MegaTier; target = the issue's restore + rerun speedup")
+
+
+def format_classes_report(out: dict) -> str:
+    return "\n".join([
+        "",
+        f"recovery per failure class: drill job {' '.join(out['drill_overrides'])}; base interval "
+        f"{out['base_interval']}; one drill per point, failing after step {out['base_interval']} + o for o in "
+        f"{out['offsets']}; full state {out['full_state_bytes'] / MIB:.1f} MiB, torch.load {out['baseline_load_s']:.3f}"
+        f" s; step {out['step_s'] * 1000:.0f} ms ({out['step_source']})",
+        "",
+        textwrap.fill(POINTS_LEGEND.format(k=out["baseline_k"]), 120),
+        format_points_table(out["points"]),
+        "",
+        "MegaTier end to end, expected per class (mean over points, seconds):",
+        format_phases_table(out["classes"]),
+        "",
+        textwrap.fill(SUMMARY_LEGEND, 120),
+        format_summary_table(out["classes"]),
+    ])
+
+
 def run_classes(args: argparse.Namespace, work: str) -> dict:
-    """The classes part: one drill per class, the baseline's load measured once; prints its table."""
+    """The classes part: one drill per class and failure point, the baseline's load measured once; prints tables."""
     if not os.path.exists(args.drill_script):
         raise SystemExit(f"bench_recovery: the failure drill {args.drill_script} does not exist")
-    rows, reports = [], {}
-    for failure in args.classes:
-        drill_work = os.path.join(work, f"drill-{failure}")
-        json_path = os.path.join(work, f"drill-{failure}.json")
-        print(f"classes: {failure} failure after step {args.at_step} on {args.nodes}x{args.procs_per_node} "
-              f"processes ...", flush=True)
-        t = time.perf_counter()
-        reports[failure] = run_drill(drill_command(args, failure, drill_work, json_path), json_path,
-                                     os.path.join(work, f"drill-{failure}.log"), args.drill_timeout_s)
-        print(f"  drill done in {time.perf_counter() - t:.0f} s", flush=True)
+    offsets = point_offsets(args.points, args.base_interval)
+    drills = [(failure, o, f, *run_point(args, work, failure, o))
+              for failure in args.classes for o, f in zip(offsets, point_fractions(args.points))]
     load = measure_full_load(args, work)
-    for failure in args.classes:
-        rows.append(class_row(failure, reports[failure], load, args.baseline_k))
-    print()
-    print(f"recovery per failure class: drill job {' '.join(drill_overrides(args))}; failure after step "
-          f"{args.at_step}; full state {load['bytes'] / MIB:.1f} MiB; step time from "
-          f"{rows[0]['step_source'] if rows else '-'} ({rows[0]['step_s'] * 1000 if rows else 0:.0f} ms)")
-    print(format_classes_table(rows, args.baseline_k))
-    return {"drill_overrides": drill_overrides(args), "at_step": args.at_step, "baseline_k": args.baseline_k,
-            "full_state_bytes": load["bytes"], "rows": rows}
+    step_s, step_source = mean_step_time([d[3].get("run_dir") for d in drills]), "the drills' mean iter_time_s"
+    if step_s is None:
+        step_s, step_source = load["step_s_world1"], "measured here, world of one"
+    rows = [point_row(*d, step_s, load["load_s"], args.baseline_k) for d in drills]
+    out = {"drill_overrides": drill_overrides(args, None), "base_interval": args.base_interval, "offsets": offsets,
+           "baseline_k": args.baseline_k, "full_state_bytes": load["bytes"], "baseline_load_s": load["load_s"],
+           "step_s": step_s, "step_source": step_source, "points": rows,
+           "classes": [class_summary(c, [r for r in rows if r["class"] == c]) for c in args.classes]}
+    print(format_classes_report(out))
+    return out
 
 
 # ---- main ---------------------------------------------------------------------------------------
