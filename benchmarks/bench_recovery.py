@@ -78,9 +78,9 @@ every point, MegaTier's expected end-to-end time part by part with the part that
 and per class the expected restore + rerun and end-to-end times of both with the seed's
 Table 3 (GPT2 20B; its scale is not ours) alongside.
 
-    python benchmarks/bench_recovery.py                               # both parts, ~3 + ~14 min on 2 cores
+    python benchmarks/bench_recovery.py                 # both parts, ~3 + ~9 min on 2 cores (~35 s a drill)
     python benchmarks/bench_recovery.py --part replay --chains 10,50,100 -- checkpoint.diff.compression=fp32
-    python benchmarks/bench_recovery.py --part classes --points 5 --out-json rec.json
+    python benchmarks/bench_recovery.py --part classes --points 10 --out-json rec.json
     python benchmarks/bench_recovery.py --quick --part classes -- data.prefix=data/mine   # smoke: tiny, B=10, 2 points
 
 Hydra overrides after ``--`` go to every run (the in-process Trainer and each
@@ -170,7 +170,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                    "--quick: 10)")
     p.add_argument("--points", type=int, default=None, help="drill: failure points per class, spread evenly from "
                                                             "one step after a base to one step before the next, "
-                                                            "one drill each (default 3; --quick: 2, the best and "
+                                                            "one drill each (default 5; --quick: 2, the best and "
                                                             "the worst case)")
     p.add_argument("--baseline-k", type=int, default=50, help="baseline: a full checkpoint every K steps")
     p.add_argument("--drill-script", default=str(REPO / "scripts" / "failure_drill.py"),
@@ -193,7 +193,7 @@ def _fill_defaults(args: argparse.Namespace) -> None:
     args.warmup = args.warmup if args.warmup is not None else (2 if quick else 10)
     args.repeats = args.repeats if args.repeats is not None else (1 if quick else 3)
     args.base_interval = args.base_interval if args.base_interval is not None else (10 if quick else 20)
-    args.points = args.points if args.points is not None else (2 if quick else 3)
+    args.points = args.points if args.points is not None else (2 if quick else 5)
     args.classes = [c.strip() for c in args.classes.split(",") if c.strip()]
 
 

@@ -209,7 +209,7 @@ def test_quick_defaults_and_overrides_after_the_separator():
     assert not any(o.startswith("train.iters=") for o in br.drill_overrides(args, None))
     full = br.parse_args([])
     assert full.chains == [10, 50, 100] and full.part == "all" and full.baseline_k == 50
-    assert full.points == 3 and full.base_interval == 20
+    assert full.points == 5 and full.base_interval == 20
 
 
 def test_bad_arguments_are_rejected():
