@@ -239,8 +239,8 @@ class CheckpointManager:
         committed = rows[0][-1]  # the coordinator's (global rank 0's) newest committed base
         if committed != _NONE and (self.watermark is None or committed > self.watermark):
             self.watermark = committed
-        for tier in tiers:  # node memory also keeps to its own retention while Tier-3 is behind
-            tier.reclaim(self.watermark)
+        # Node memory also keeps to its own retention while Tier-3 is behind; the save thread deletes.
+        self.worker.submit_reclaim(self.watermark, tiers)
         self._last["degraded"] = self._degraded()
 
     def _degraded(self) -> Optional[str]:
