@@ -65,7 +65,9 @@ class LocalTier(Tier):
         self.rank = rank
         self.keep_bases, self.budget_bytes = keep_bases, budget_bytes
         self.fault = fault
-        self._problem: Optional[str] = None  # why the last write failed (None: it worked)
+        # Why the last write of each kind ("units", "progress") failed; a kind's next success clears it. The
+        # loop and the save thread both write, so one kind's success must not hide the other's failure.
+        self._problems: dict[str, str] = {}
         self._lock = threading.Lock()
         # Units this launch wrote and still holds: the Tier-1 recovery point (read by the loop's thread).
         self._bases: set[int] = set()
@@ -80,18 +82,18 @@ class LocalTier(Tier):
         try:
             self.memory.save(payload)
         except (StoreError, OSError) as e:
-            self._problem = f"{self.where()} cannot store {payload.stamp.pid}: {e}"
+            self._problems["units"] = f"{self.where()} cannot store {payload.stamp.pid}: {e}"
             return
-        self._problem = None
+        self._problems.pop("units", None)
         self._held(payload.stamp.pid, True)
 
     def put_draft(self, draft: PayloadDraft) -> EncodedPayload:
         try:
             payload = self.memory.save_draft(draft)
         except (StoreError, OSError) as e:  # full or failing: the other tiers still get the unit
-            self._problem = f"{self.where()} cannot store {draft.pid}: {e}"
+            self._problems["units"] = f"{self.where()} cannot store {draft.pid}: {e}"
             return draft.to_payload()
-        self._problem = None
+        self._problems.pop("units", None)
         self._held(draft.pid, True)
         return payload
 
@@ -135,14 +137,17 @@ class LocalTier(Tier):
         try:
             self.memory.write_progress(self.rank, step)
         except (StoreError, OSError) as e:
-            self._problem = f"{self.where()} cannot record progress: {e}"
+            self._problems["progress"] = f"{self.where()} cannot record progress: {e}"
+        else:
+            self._problems.pop("progress", None)
         return 0.0
 
     def degraded(self) -> Optional[str]:
-        if self._problem is None and self.budget_bytes and self.memory.bytes_held() > self.budget_bytes:
+        problems = dict(self._problems)  # a copy: the save thread may update it meanwhile
+        if not problems and self.budget_bytes and self.memory.bytes_held() > self.budget_bytes:
             return (f"{self.where()} holds {self.memory.bytes_held() / 2**30:.2f} GiB, over "
                     f"checkpoint.local.budget_gib={self.budget_bytes / 2**30:.2f}")
-        return self._problem
+        return "; ".join(problems[k] for k in sorted(problems)) or None
 
     def point(self) -> Optional[int]:
         with self._lock:
