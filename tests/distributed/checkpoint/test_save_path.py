@@ -94,6 +94,8 @@ class _Watched:
         self.records.append(out)
         self.captured[step] = (self.optimizer.master.clone(), self.optimizer.last_grad.clone())
         if step % self.watch_every == 0:
+            # Reclamation runs on the save thread after the units submitted before it: count once it caught up.
+            self.manager.worker.flush(60.0)
             self.held_max["own"] = max(self.held_max["own"], len(self.memory.entries(owner_rank=self.rank)))
             if self.owner is not None:
                 self.held_max["replica"] = max(self.held_max["replica"], len(self.memory.entries(

@@ -31,6 +31,7 @@ class Watch:
     def after_step(self, step: int) -> dict:
         self.before_step(step, self.manager)
         out = self.manager.after_step(step)
+        self.manager.worker.flush(60.0)  # reclamation runs on the save thread: count once it caught up
         out["own_units"] = len(self.manager.ctx.tiers[0].memory.entries(owner_rank=0))
         self.records.append(out)
         return out
