@@ -409,21 +409,30 @@ def _span(s: dict, key: str, fmt: str) -> str:
     return f"{s[key + '_min']:{fmt}}..{s[key + '_max']:{fmt}}" if key + "_min" in s else "-"
 
 
+def _table_head(legend: list[str], header: str) -> None:
+    """A blank line, the legend's lines, the column header and its rule."""
+    print()
+    for line in legend:
+        print(line)
+    print(header)
+    print("-" * len(header))
+
+
 def print_cpu_table(summary: dict, args) -> None:
     """The same rows by CPU seconds (rank 0's process, user+sys), which other tenants of the box hardly move."""
     rows = {spec: s for spec, s in summary.items() if s["runs"] and "cpu_ms" in s}
     if not rows:
         return
-    print()
-    print(f"CPU per step = user+sys CPU of the process (every thread) from the start of step {args.warmup + 1} to "
-          f"the end of the loop / {args.iters - args.warmup} steps; CPU ms = median over repeats (min..max);")
-    print("vs none = median over repeats of (run / mean of the `none` runs just before and after it) - 1 (min..max);")
-    print("helpers = Python threads the checkpointer started; in hook = after_step's CPU less the helpers' meanwhile;")
-    print("training = the rest; ckpt % = (helpers + in hook) / training (median over repeats, min..max)")
-    header = (f"{'row':<24} {'CPU ms':>8} {'min..max ms':>15} {'vs none':>8} {'min..max %':>15} "
-              f"{'helpers ms':>10} {'in hook ms':>10} {'training ms':>11} {'ckpt %':>7} {'min..max %':>13}")
-    print(header)
-    print("-" * len(header))
+    _table_head([f"CPU per step = user+sys CPU of the process (every thread) from the start of step "
+                 f"{args.warmup + 1} to the end of the loop / {args.iters - args.warmup} steps; CPU ms = median over "
+                 f"repeats (min..max);",
+                 "vs none = median over repeats of (run / mean of the `none` runs just before and after it) - 1 "
+                 "(min..max);",
+                 "helpers = Python threads the checkpointer started; in hook = after_step's CPU less the helpers' "
+                 "meanwhile;",
+                 "training = the rest; ckpt % = (helpers + in hook) / training (median over repeats, min..max)"],
+                f"{'row':<24} {'CPU ms':>8} {'min..max ms':>15} {'vs none':>8} {'min..max %':>15} "
+                f"{'helpers ms':>10} {'in hook ms':>10} {'training ms':>11} {'ckpt %':>7} {'min..max %':>13}")
     for spec, s in rows.items():
         vs = f"{s['cpu_overhead_pct']:+.1f}%" if "cpu_overhead_pct" in s else "-"
         ckpt = f"{s['ckpt_cpu_pct']:.2f}%" if "ckpt_cpu_pct" in s else "-"
@@ -435,18 +444,18 @@ def print_cpu_table(summary: dict, args) -> None:
 
 
 def print_report(summary: dict, args, full_state_bytes: int | None) -> None:
-    print()
-    print(f"model={args.model} iters={args.iters} warmup={args.warmup} (mean over steps "
-          f"{args.warmup + 1}..{args.iters})"
-          f" K={','.join(map(str, args.ks))} base_interval={args.base_interval} repeats={args.repeats} "
-          f"world={args.nproc}" + (f" overrides={args.overrides}" if args.overrides else ""))
-    print("step time = iter_time_s + ckpt_stall_ms, mean over the window; step ms = median over repeats (min..max);")
-    print("overhead = median over repeats of (run / mean of the `none` runs just before and after it) - 1 (min..max);")
-    print("of fastest = the row's fastest run / the fastest of its references (the none means above) - 1")
-    header = (f"{'row':<24} {'ckpt every':>10} {'step ms':>8} {'min..max ms':>15} {'overhead':>9} "
-              f"{'min..max %':>15} {'of fastest':>10} {'stall ms':>9} {'max stall':>9} {'MiB/ckpt':>9} {'MiB disk':>9}")
-    print(header)
-    print("-" * len(header))
+    _table_head([f"model={args.model} iters={args.iters} warmup={args.warmup} (mean over steps "
+                 f"{args.warmup + 1}..{args.iters}) K={','.join(map(str, args.ks))} "
+                 f"base_interval={args.base_interval} repeats={args.repeats} world={args.nproc}"
+                 + (f" overrides={args.overrides}" if args.overrides else ""),
+                 "step time = iter_time_s + ckpt_stall_ms, mean over the window; step ms = median over repeats "
+                 "(min..max);",
+                 "overhead = median over repeats of (run / mean of the `none` runs just before and after it) - 1 "
+                 "(min..max);",
+                 "of fastest = the row's fastest run / the fastest of its references (the none means above) - 1"],
+                f"{'row':<24} {'ckpt every':>10} {'step ms':>8} {'min..max ms':>15} {'overhead':>9} "
+                f"{'min..max %':>15} {'of fastest':>10} {'stall ms':>9} {'max stall':>9} {'MiB/ckpt':>9} "
+                f"{'MiB disk':>9}")
     for spec, s in summary.items():
         if not s["runs"]:
             print(f"{spec:<24} {_every(spec):>10} FAILED in all {s['failed']} runs: {'; '.join(s['errors'])[:300]}")
