@@ -211,14 +211,11 @@ def _crashing_drive(rank, world, nodes, root, plan, kw):
     return out
 
 
-def test_sender_dying_mid_chunk_leaves_no_complete_replica(tmp_path):
-    plan = _Plan(6, bases={0: 400_000})  # 6 chunks due at steps 1..6
-    run = tmp_path / f"world-{uuid.uuid4().hex[:8]}"
-    run.mkdir()
-    args = (4, 2, str(tmp_path / "shm"), plan, {"base_interval": 10, "max_chunk": 1 << 20, "timeout_s": 2.0,
-                                                  "sleep": 0.05})
-    ctx = mp.get_context("spawn")  # not run_world: one process is meant to die
-    procs = [ctx.Process(target=_worker, args=(r, _crashing_drive, 4, str(run / "store"), str(run), 30.0, args))
+
+def _run_with_one_death(run, drive, args) -> list:
+    """A world of 4 spawned processes (not run_world: one is meant to die); their exit codes, within 60 s."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(r, drive, 4, str(run / "store"), str(run), 30.0, args))
              for r in range(4)]
     for p in procs:
         p.start()
@@ -229,6 +226,15 @@ def test_sender_dying_mid_chunk_leaves_no_complete_replica(tmp_path):
     for p in procs:
         if p.is_alive():
             p.kill()
+    return codes
+
+def test_sender_dying_mid_chunk_leaves_no_complete_replica(tmp_path):
+    plan = _Plan(6, bases={0: 400_000})  # 6 chunks due at steps 1..6
+    run = tmp_path / f"world-{uuid.uuid4().hex[:8]}"
+    run.mkdir()
+    args = (4, 2, str(tmp_path / "shm"), plan, {"base_interval": 10, "max_chunk": 1 << 20, "timeout_s": 2.0,
+                                                  "sleep": 0.05})
+    codes = _run_with_one_death(run, _crashing_drive, args)
     assert codes == [-9, 0, 0, 0], codes
     results = {r: torch.load(run / f"rank{r}.pt", weights_only=False) for r in (1, 2, 3)}
     assert "simulated failure at t2.mid_chunk v0" in results[1]["error"], results[1]["error"]
@@ -291,18 +297,7 @@ def test_a_peer_dying_mid_record_leaves_the_earlier_records_usable(tmp_path):
     run.mkdir()
     args = (4, 2, str(tmp_path / "shm"), _StepPlan(10), {"base_interval": 5, "max_chunk": 1 << 20,
                                                            "timeout_s": 2.0, "sleep": 0.02})
-    ctx = mp.get_context("spawn")  # not run_world: one process is meant to die
-    procs = [ctx.Process(target=_worker, args=(r, _dying_mid_record_drive, 4, str(run / "store"), str(run), 30.0,
-                                               args)) for r in range(4)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 60
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    codes = _run_with_one_death(run, _dying_mid_record_drive, args)
     assert codes == [-9, 0, 0, 0], codes
     receiver = torch.load(run / "rank2.pt", weights_only=False)
     assert "the peer may have died" in receiver["error"] and "rank 0" in receiver["error"], receiver["error"]
