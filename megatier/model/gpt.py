@@ -7,6 +7,16 @@ so a name means the same tensor in every layout.
 
 Pipeline split rule: stage i gets num_layers // pp layers, and the first
 num_layers % pp stages get one more (the last stage already carries the head).
+
+Vocabulary padding is storage only: the word embedding and head hold
+``padded_vocab_size`` rows so every tp rank holds an equal slice, but the
+logits of padded ids are -inf (zero probability, zero gradient), so the model
+computes the same function under every tp. Padded rows start at zero and stay
+there (no gradient reaches them; weight decay keeps zero at zero).
+
+Every parameter carries ``full_shape``: the shape of the full, unsharded,
+unpadded tensor it is a tp slice of (``(vocab, hidden)`` for the embedding and
+head), next to ``tp_partition_dim`` / ``tp_partition_stride``.
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatier.config import ModelConfig
-from megatier.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -132,6 +142,10 @@ class GPTStage(nn.Module):
     First stage: word + position embeddings. Last stage: final LayerNorm and the
     LM head, whose weight is the word embedding (the same Parameter when pp == 1,
     a copy kept equal by all-reducing its gradient over the embedding group when pp > 1).
+
+    ``vocab_size`` is the true vocabulary; the embedding and head are padded to
+    ``padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)``
+    rows, of which this rank holds [vocab_start, vocab_start + padded / tp).
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, spec: StageSpec, *, tp_group: dist.ProcessGroup,
@@ -139,17 +153,31 @@ class GPTStage(nn.Module):
         super().__init__()
         self.cfg, self.spec, self.tp_group = cfg, spec, tp_group
         self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
+        self.vocab_start = spec.tp_rank * (self.padded_vocab_size // spec.tp)
         dropout = HiddenDropout(cfg.hidden_dropout, dropout_generator)
         self.embed_dropout = dropout
         if spec.is_first:
-            self.word = VocabParallelEmbedding(vocab_size, cfg.hidden_size, group=tp_group)
+            self.word = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=tp_group)
             self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             mark_partition(self.pos.weight, None)
         self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, dropout) for i in spec.layers})
         if spec.is_last:
             self.final_norm = _layer_norm(cfg)
             if not spec.is_first:
-                self.head_weight = mark_partition(nn.Parameter(torch.empty(vocab_size // spec.tp, cfg.hidden_size)), 0)
+                rows = self.padded_vocab_size // spec.tp
+                self.head_weight = mark_partition(nn.Parameter(torch.empty(rows, cfg.hidden_size)), 0)
+        self._record_full_shapes()
+
+    def _record_full_shapes(self) -> None:
+        """param.full_shape = the full, unsharded, unpadded shape (vocab rows cut back to the true vocabulary)."""
+        for name, param in self.named_parameters():
+            shape = list(param.shape)
+            if param.tp_partition_dim is not None:
+                shape[param.tp_partition_dim] *= self.spec.tp
+            if name in VOCAB_PARAMS:
+                shape[0] = self.vocab_size
+            param.full_shape = tuple(shape)
 
     @property
     def output_weight(self) -> nn.Parameter:
@@ -159,7 +187,8 @@ class GPTStage(nn.Module):
         """x: token ids (b, s) on the first stage, else hidden states (b, s, h).
 
         Returns hidden states (b, s, h) on non-last stages; on the last stage the
-        per-token loss (b, s) when labels are given, else vocab-parallel logits (b, s, V/tp).
+        per-token loss (b, s) when labels are given, else vocab-parallel logits
+        (b, s, padded / tp) with -inf in the padded columns.
         """
         if self.spec.is_first:
             positions = torch.arange(x.shape[1], device=x.device)
@@ -169,11 +198,11 @@ class GPTStage(nn.Module):
         if not self.spec.is_last:
             return x
         x = copy_to_region(self.final_norm(x), self.tp_group)
-        logits = F.linear(x, self.output_weight)  # (b, s, V/tp)
+        logits = F.linear(x, self.output_weight)  # (b, s, padded/tp)
+        logits = mask_padded_vocab(logits, vocab_start=self.vocab_start, vocab_size=self.vocab_size)
         if labels is None:
             return logits
-        vocab_start = self.spec.tp_rank * (self.vocab_size // self.spec.tp)
-        return vocab_parallel_cross_entropy(logits, labels, vocab_start=vocab_start, group=self.tp_group)
+        return vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, group=self.tp_group)
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
         """Parameters whose gradients are all-reduced over the embedding group (pp > 1)."""
@@ -182,37 +211,82 @@ class GPTStage(nn.Module):
         return [self.word.weight] if self.spec.is_first else [self.head_weight]
 
 
+# Parameters with one row per vocabulary id; padded to padded_vocab_size rows in a GPTStage.
+VOCAB_PARAMS = ("word.weight", "head_weight")
+
+
+def canonical_name(name: str) -> str:
+    """The name of the full tensor a stage parameter is a slice of: the tied head is the word embedding."""
+    return "word.weight" if name == "head_weight" else name
+
+
+def shard_for(model: GPTStage, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of parameter ``name`` from its full, unpadded tensor (``full_shape``).
+
+    Vocabulary tensors get zero rows up to the padded size first, so padded rows are zero.
+    """
+    param = model.get_parameter(name)
+    if tuple(full.shape) != param.full_shape:
+        raise ValueError(f"{canonical_name(name)}: got a tensor of shape {tuple(full.shape)}, the model needs "
+                         f"{param.full_shape}; build the state for this model's shape")
+    if name in VOCAB_PARAMS:
+        full = F.pad(full, (0, 0, 0, model.padded_vocab_size - full.shape[0]))  # (padded, h)
+    return shard_of_full(full, param.tp_partition_dim, param.tp_partition_stride, model.spec.tp_rank, model.spec.tp)
+
+
+@torch.no_grad()
+def load_full_state(model: GPTStage, state: dict[str, torch.Tensor]) -> None:
+    """Set every parameter to its slice of ``state[canonical_name(name)]`` (full, unpadded tensors by name)."""
+    missing = sorted({canonical_name(n) for n, _ in model.named_parameters()} - state.keys())
+    if missing:
+        raise ValueError(f"the state has no tensor for {', '.join(missing)}; give one full tensor per model "
+                         f"parameter name")
+    for name, param in model.named_parameters():
+        param.copy_(shard_for(model, name, state[canonical_name(name)]))
+
+
+def _initial_full(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """GPT-2's initial value of the full tensor ``name`` (a canonical name) of ``shape``."""
+    owner = name.rsplit(".", 1)[0]  # "layers.0.ln1", "word"
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if owner.rsplit(".", 1)[-1] in ("ln1", "ln2", "final_norm"):
+        return torch.ones(shape)
+    std = cfg.init_std
+    if name.endswith("proj.weight"):
+        std /= math.sqrt(2 * cfg.num_layers)
+    gen = torch.Generator().manual_seed(derive_seed(seed, "init", name))
+    return torch.randn(shape, generator=gen) * std
+
+
 @torch.no_grad()
 def init_weights(model: GPTStage, seed: int) -> None:
     """GPT-2 initialisation, layout independent.
 
-    Each parameter's full tensor is drawn from a generator seeded by (seed, name)
-    and this rank keeps its tp slice, so every layout starts from the same model.
+    Each parameter's full, unpadded tensor is drawn from a generator seeded by
+    (seed, canonical name) and this rank keeps its tp slice (padded vocabulary
+    rows are zero), so every layout starts from the same model.
     Residual output projections get std / sqrt(2 * num_layers) (GPT-2).
     """
-    cfg, spec = model.cfg, model.spec
     for name, param in model.named_parameters():
-        init_name = "word.weight" if name == "head_weight" else name
-        dim = param.tp_partition_dim
-        full_shape = list(param.shape)
-        if dim is not None:
-            full_shape[dim] *= spec.tp
-        owner = name.rsplit(".", 1)[0] if "." in name else ""  # "layers.0.ln1", "" for head_weight
-        if name.endswith(".bias"):
-            full = torch.zeros(full_shape)
-        elif owner.rsplit(".", 1)[-1] in ("ln1", "ln2", "final_norm"):
-            full = torch.ones(full_shape)
-        else:
-            std = cfg.init_std
-            if name.endswith("proj.weight"):
-                std /= math.sqrt(2 * cfg.num_layers)
-            gen = torch.Generator().manual_seed(derive_seed(seed, "init", init_name))
-            full = torch.randn(full_shape, generator=gen) * std
-        param.copy_(shard_of_full(full, dim, param.tp_partition_stride, spec.tp_rank, spec.tp))
+        full = _initial_full(model.cfg, canonical_name(name), param.full_shape, seed)
+        param.copy_(shard_for(model, name, full))
+
+
+def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Name -> full, unpadded shape of every parameter of the whole model (a pp=1 stage; no head_weight)."""
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    shapes = {"word.weight": (vocab_size, h), "pos.weight": (cfg.max_position_embeddings, h)}
+    per_layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
+                 "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "ln2.weight": (h,), "ln2.bias": (h,),
+                 "mlp.fc.weight": (ffn, h), "mlp.fc.bias": (ffn,), "mlp.proj.weight": (h, ffn),
+                 "mlp.proj.bias": (h,)}
+    for i in range(cfg.num_layers):
+        shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
+    shapes.update({"final_norm.weight": (h,), "final_norm.bias": (h,)})
+    return shapes
 
 
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     """Parameters of the whole (unsharded) model with tied embeddings."""
-    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    per_layer = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h)
-    return vocab_size * h + cfg.max_position_embeddings * h + cfg.num_layers * per_layer + 2 * h
+    return sum(math.prod(shape) for shape in canonical_shapes(cfg, vocab_size).values())

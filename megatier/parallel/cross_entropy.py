@@ -3,6 +3,12 @@
 Each rank holds logits (..., V/tp) for its vocabulary slice. The softmax
 denominator, the max and the target logit are combined with three small
 all-reduces, so the full (..., V) logits are never materialised.
+
+Vocabulary padding: ``mask_padded_vocab`` sets the logits of ids at or past
+the true vocabulary to -inf before the loss. exp(-inf) = 0, so padded ids
+have exactly zero probability and get exactly zero gradient on every tp; a
+rank whose whole slice is padding is fine as long as the global max is
+finite (the true vocabulary is never empty).
 """
 from __future__ import annotations
 
@@ -44,6 +50,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local.unsqueeze(-1), (~outside).to(grad.dtype).neg().unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
+
+
+def mask_padded_vocab(logits: torch.Tensor, *, vocab_start: int, vocab_size: int) -> torch.Tensor:
+    """Logits (..., V/tp) of ids [vocab_start, vocab_start + V/tp) with -inf where the id >= ``vocab_size``."""
+    per_rank = logits.shape[-1]
+    first_padded = min(max(vocab_size - vocab_start, 0), per_rank)  # local column of the first padded id
+    if first_padded == per_rank:
+        return logits
+    padded = torch.arange(per_rank, device=logits.device) >= first_padded  # (V/tp,)
+    return logits.masked_fill(padded, float("-inf"))  # backward: zero gradient in the padded columns
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int,

@@ -29,7 +29,7 @@ from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
 from megatier.faults import CrashPoint, FaultInjector
-from megatier.model.gpt import GPTStage, StageSpec, init_weights, padded_vocab_size, stage_layers
+from megatier.model.gpt import GPTStage, StageSpec, init_weights, stage_layers
 from megatier.observe.digest import combined_digest, shard_digest
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW
@@ -112,12 +112,12 @@ class Trainer:
         if vocab < self.dataset_meta["vocab_size"]:
             raise ValueError(f"model.vocab_size={vocab} is smaller than the dataset's vocabulary "
                              f"({self.dataset_meta['vocab_size']}); unset model.vocab_size to take it from the data")
-        self.vocab_size = padded_vocab_size(vocab, m.make_vocab_size_divisible_by, ps.tp)
+        self.vocab_size = vocab  # the true vocabulary; the model pads its rows (padded logits are -inf)
         spec = StageSpec(stage_layers(m.num_layers, ps.pp, ps.pp_rank), ps.is_first_stage, ps.is_last_stage,
                          ps.tp_rank, ps.tp)
         # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
         self.dropout_generator = gen = torch.Generator(device=self.device)
-        model = GPTStage(m, self.vocab_size, spec, tp_group=ps.tp_group, dropout_generator=gen)
+        model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen)
         init_weights(model, self.cfg.train.seed)
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
         shared = {"head_weight"} if spec.is_last and not spec.is_first else set()

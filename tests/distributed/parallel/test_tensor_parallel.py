@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatier.parallel.cross_entropy import vocab_parallel_cross_entropy
+from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -132,10 +132,28 @@ def _cross_entropy(group, r: int) -> dict:
             "cross_entropy.dlogits": (local.grad, full.grad.chunk(TP, -1)[r])}
 
 
+def _cross_entropy_padded(group, r: int) -> dict:
+    """True vocabulary 6 of 16 padded ids: rank 1's whole slice is padding (-inf logits)."""
+    true_vocab, gl = 6, _rand(2, 5, seed=16)
+    logits = _rand(2, 5, 16, seed=15) * 3
+    target = torch.randint(0, true_vocab, (2, 5), generator=torch.Generator().manual_seed(17))
+    local = _leaf(logits.chunk(TP, -1)[r])
+    masked = mask_padded_vocab(local, vocab_start=r * 16 // TP, vocab_size=true_vocab)
+    loss = vocab_parallel_cross_entropy(masked, target, vocab_start=r * 16 // TP, group=group)
+    loss.backward(gl)
+    real = _leaf(logits[..., :true_vocab])
+    ref = F.cross_entropy(real.flatten(0, 1), target.flatten(), reduction="none").view(2, 5)
+    ref.backward(gl)
+    ref_grad = torch.cat([real.grad, torch.zeros(2, 5, 16 - true_vocab)], -1)  # padded ids: zero gradient
+    return {"cross_entropy_padded.forward": (loss, ref.detach()),
+            "cross_entropy_padded.dlogits": (local.grad, ref_grad.chunk(TP, -1)[r])}
+
+
 def _tp_worker(rank: int) -> dict:
     ps = build_parallel_state(TP, 1, 60.0, torch.device("cpu"))
     g, r = ps.tp_group, ps.tp_rank
-    out = {**_regions(g, r), **_row(g, r), **_embedding(g, r), **_cross_entropy(g, r)}
+    out = {**_regions(g, r), **_row(g, r), **_embedding(g, r), **_cross_entropy(g, r),
+           **_cross_entropy_padded(g, r)}
     out.update(_column(g, r, stride=1, gather=True))
     out.update(_column(g, r, stride=3, gather=False))
     out = {k: (a.detach(), b.detach()) for k, (a, b) in out.items()}
@@ -166,7 +184,8 @@ def test_region_forward_and_backward_match_definition(tp_results, region):
     _check(tp_results, f"{region}.")
 
 
-@pytest.mark.parametrize("layer", ["column.stride1", "column.stride3", "row", "embedding", "cross_entropy"])
+@pytest.mark.parametrize("layer", ["column.stride1", "column.stride3", "row", "embedding", "cross_entropy",
+                                   "cross_entropy_padded"])
 def test_parallel_layer_matches_dense(tp_results, layer):
     _check(tp_results, f"{layer}.")
 
