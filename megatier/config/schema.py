@@ -36,6 +36,9 @@ class ModelConfig:
     attention_dropout: float = 0.0
     layernorm_eps: float = 1e-5
     init_std: float = 0.02
+    # A Hugging Face GPT-2 directory (config.json + model.safetensors) of this shape to start from (fine-tuning):
+    # the weights replace the initialisation before the optimizer copies them; Adam moments start at zero.
+    init_from: Optional[str] = None
 
 
 @dataclass

@@ -40,6 +40,11 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
         m.num_layers >= pp,
         f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each pipeline stage needs at least one layer",
     )
+    if m.init_from is not None:
+        config_json = os.path.join(os.path.expanduser(m.init_from), "config.json")
+        _require(os.path.isfile(config_json),
+                 f"model.init_from={m.init_from!r}: {config_json} does not exist; give a Hugging Face GPT-2 "
+                 f"directory (save_pretrained or megatier's export) or unset model.init_from")
 
 
 def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:

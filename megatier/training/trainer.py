@@ -29,7 +29,8 @@ from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
 from megatier.faults import CrashPoint, FaultInjector
-from megatier.model.gpt import GPTStage, StageSpec, init_weights, stage_layers
+from megatier.interop.gpt2 import load_gpt2
+from megatier.model.gpt import GPTStage, StageSpec, init_weights, load_full_state, stage_layers
 from megatier.observe.digest import combined_digest, shard_digest
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW
@@ -119,6 +120,8 @@ class Trainer:
         self.dropout_generator = gen = torch.Generator(device=self.device)
         model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen)
         init_weights(model, self.cfg.train.seed)
+        if m.init_from is not None:  # fine-tuning: before flattening, so the fp32 master comes from it
+            load_full_state(model, load_gpt2(m.init_from, m, vocab))
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
         shared = {"head_weight"} if spec.is_last and not spec.is_first else set()
         self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, shared_copies=shared)
