@@ -5,6 +5,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from megatier.optim.canonical import ShardState, assemble, canonical_digest, shard_pieces
+
 
 def shard_digest(tensors: dict[str, torch.Tensor], scalars: dict[str, int]) -> str:
     """xxh64 over the raw bytes of ``tensors`` (in key order) and the integer ``scalars``."""
@@ -23,3 +25,19 @@ def combined_digest(local: str, group: dist.ProcessGroup) -> str:
     digests: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(digests, local, group=group)
     return xxhash.xxh64("".join(digests).encode()).hexdigest()
+
+
+def gathered_canonical_digest(shard: ShardState, group: dist.ProcessGroup) -> str:
+    """:func:`~megatier.optim.canonical.canonical_digest` of the whole job's state, the same under every layout.
+
+    Every rank's pieces go to the group's first rank, which assembles the full unpadded state and hashes it;
+    the digest comes back to every rank. Memory on that rank: the full optimizer state once (12 bytes per
+    parameter), so this is for the end of a run, not for every step.
+    """
+    pieces = shard_pieces(shard)
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    gathered: list = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+    dist.gather_object(pieces, gathered, dst=first, group=group)
+    result = [canonical_digest(assemble([p for ps in gathered for p in ps]))] if gathered is not None else [None]
+    dist.broadcast_object_list(result, src=first, group=group)
+    return result[0]

@@ -9,6 +9,7 @@ between them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
 from torch import nn
@@ -22,6 +23,12 @@ class Segment:
     ``in_norm``: counted in the global grad norm on this rank; False for copies
     that another rank already counts (tp-replicated params on tp ranks > 0, the
     last stage's copy of the tied embedding).
+    ``tp_dim`` / ``tp_stride``: how the full tensor is cut across tp ranks
+    (``megatier.parallel.layers.shard_of_full``; dim None: replicated).
+    ``full_shape``: the full, unsharded tensor without vocabulary padding;
+    ``shape`` is this tp rank's slice of the padded full tensor. Together with
+    the layout's tp coordinates they place every element in the full tensor
+    (``megatier.checkpoint.format.canonical``).
     """
 
     name: str
@@ -30,6 +37,9 @@ class Segment:
     shape: tuple[int, ...]
     decay: bool
     in_norm: bool
+    tp_dim: Optional[int] = None
+    tp_stride: int = 1
+    full_shape: tuple[int, ...] = ()
 
     @property
     def end(self) -> int:
@@ -51,9 +61,20 @@ class ShardSegment:
     shape: tuple[int, ...]
     decay: bool
     in_norm: bool
+    tp_dim: Optional[int] = None
+    tp_stride: int = 1
+    full_shape: tuple[int, ...] = ()  # (): written before segment tables carried it (not reshardable)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardSegment":
+        """The inverse of :meth:`to_dict` (tuples come back from JSON as lists)."""
+        fields = dict(d)
+        for key in ("shape", "full_shape"):
+            fields[key] = tuple(fields.get(key, ()))
+        return cls(**fields)
 
 
 class FlatLayout:
@@ -72,7 +93,10 @@ class FlatLayout:
         for name, p in module.named_parameters():
             replicated = p.tp_partition_dim is None
             in_norm = not (replicated and tp_rank > 0) and name not in shared_copies
-            segments.append(Segment(name, offset, p.numel(), tuple(p.shape), decay=p.dim() >= 2, in_norm=in_norm))
+            full_shape = tuple(getattr(p, "full_shape", p.shape if replicated else ()))
+            segments.append(Segment(name, offset, p.numel(), tuple(p.shape), decay=p.dim() >= 2, in_norm=in_norm,
+                                    tp_dim=p.tp_partition_dim, tp_stride=getattr(p, "tp_partition_stride", 1),
+                                    full_shape=full_shape))
             offset += p.numel()
         return cls(segments, dp)
 
@@ -87,7 +111,8 @@ class FlatLayout:
         for s in self.segments:
             start, end = max(s.offset, lo), min(s.end, hi)
             if start < end:
-                out.append(ShardSegment(s.name, start - lo, start - s.offset, end - start, s.shape, s.decay, s.in_norm))
+                out.append(ShardSegment(s.name, start - lo, start - s.offset, end - start, s.shape, s.decay,
+                                        s.in_norm, s.tp_dim, s.tp_stride, s.full_shape))
         return out
 
 
