@@ -121,19 +121,26 @@ class ShardAccess:
 
     def load_base(self, base: BaseState) -> None:
         """Overwrite the shard with ``base`` (tensors, Adam count, loss scaler); parameters come later."""
+        tensors = {name: getattr(base, name) for name in ("master", "exp_avg", "exp_avg_sq")}
+        self.load_state(tensors, base.adam_steps, base.loss_scaler, f"base v{base.version}")
+
+    def load_state(self, tensors: dict[str, torch.Tensor], adam_steps: int, loss_scaler: Optional[dict],
+                   what: str) -> None:
+        """Overwrite the shard's tensors (``master``, ``exp_avg``, ``exp_avg_sq``), Adam count and loss scaler;
+        ``what`` names the source in errors."""
         o = self.optimizer
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            src, dst = getattr(base, name), getattr(o, name)
+        for name, src in tensors.items():
+            dst = getattr(o, name)
             if src.shape != dst.shape:
-                raise ValueError(f"base v{base.version} has {name} of shape {tuple(src.shape)}, this rank's shard "
-                                 f"is {tuple(dst.shape)}; the checkpoint was written for another model or layout")
+                raise ValueError(f"{what} has {name} of shape {tuple(src.shape)}, this rank's shard is "
+                                 f"{tuple(dst.shape)}; the checkpoint was written for another model or layout")
             dst.copy_(src)
-        o.adam_steps = base.adam_steps
+        o.adam_steps = adam_steps
         if o.scaler is not None:
-            if base.loss_scaler is None:
-                raise ValueError(f"base v{base.version} has no loss-scaler state but this run uses fp16; "
+            if loss_scaler is None:
+                raise ValueError(f"{what} has no loss-scaler state but this run uses fp16; "
                                  f"resume with the precision the checkpoint was written with")
-            o.scaler.load_state_dict(base.loss_scaler)
+            o.scaler.load_state_dict(loss_scaler)
 
     def replay(self, steps: Sequence[DiffStep]) -> None:
         """Apply consecutive diff steps with one fused ``adamw_replay`` pass (one batch per call)."""

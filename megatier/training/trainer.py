@@ -31,9 +31,10 @@ from megatier.data.indexed import IndexedDataset
 from megatier.faults import CrashPoint, FaultInjector
 from megatier.interop.gpt2 import load_gpt2
 from megatier.model.gpt import GPTStage, StageSpec, init_weights, load_full_state, stage_layers
-from megatier.observe.digest import combined_digest, shard_digest
+from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW
+from megatier.optim.canonical import ShardState
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
@@ -256,11 +257,20 @@ class Trainer:
         local = shard_digest(o.state_tensors(), {"step": self.step, "adam_steps": o.adam_steps})
         return combined_digest(local, self.ps.checkpoint_group)
 
+    def canonical_digest(self) -> str:
+        """xxh64 of the job's optimizer state by parameter name, unpadded: equal for equal state under any
+        layout (:mod:`megatier.optim.canonical`)."""
+        o, ps = self.optimizer, self.ps
+        tensors = {k: t.detach().cpu() for k, t in o.state_tensors().items()}
+        return gathered_canonical_digest(ShardState(ps.tp_rank, ps.tp, o.shard_segments, tensors),
+                                         ps.checkpoint_group)
+
     def close(self) -> dict:
         """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups."""
         status = self.checkpointer.close() if self.checkpointer is not None else None
         digest = self.state_digest()
-        summary = {"step": self.step, "event": "summary", "state_digest": digest, **(status or {})}
+        summary = {"step": self.step, "event": "summary", "state_digest": digest,
+                   "canonical_digest": self.canonical_digest(), **(status or {})}
         last = getattr(self, "last_record", None)
         if last is not None:
             summary.update(loss=last["loss"], val_loss=last.get("val_loss"))

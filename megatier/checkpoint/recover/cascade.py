@@ -43,7 +43,7 @@ from megatier.checkpoint.recover.consensus import Consensus, cascade
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, raise_fatal
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy, Tier
 from megatier.checkpoint.tiers.store import StoreError
-from megatier.parallel.layout import Layout
+from megatier.parallel.layout import Layout, coordinates_of
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +67,19 @@ class Ledger:
 
 @dataclass
 class Reader:
-    """Who this rank is, for reading and checking copies: its node, job, layout and tiers by label."""
+    """Who this rank is, for reading and checking copies: its node, job and tiers by label, and the layout
+    (degrees) the units were written with (the job's own, or an old one that restore reshards)."""
 
     node: str
     job_id: str
-    layout: Layout
+    degrees: tuple[int, int, int]
     tiers: dict[str, Tier]
+
+    def layout_of(self, owner: int) -> Layout:
+        """The layout a unit of rank ``owner`` must be stamped with."""
+        tp, pp, dp = self.degrees
+        tp_rank, dp_rank, pp_rank = coordinates_of(owner, tp=tp, dp=dp)
+        return Layout(tp, pp, dp, tp_rank, pp_rank, dp_rank)
 
     def read(self, copy: Copy) -> EncodedPayload:
         """The copy's bytes from the tier holding it, checksum-verified; it must be reachable from here."""
@@ -83,11 +90,11 @@ class Reader:
         return self.tiers[copy.tier].read(copy)
 
     def decode(self, data: bytes, copy: Copy, source: str) -> Any:
-        """Verify ``data`` against the inventory's stamp, then decode with this job and this rank's layout."""
+        """Verify ``data`` against the inventory's stamp, then decode with this job and its owner's layout."""
         verify_payload(data, copy.stamp, source)
         payload = EncodedPayload(data, copy.stamp)
         decoder = decode_base if copy.pid.kind == BASE else decode_diff_batch
-        return decoder(payload, job_id=self.job_id, layout=self.layout, source=source)
+        return decoder(payload, job_id=self.job_id, layout=self.layout_of(copy.owner), source=source)
 
     def load(self, copy: Copy) -> Any:
         return self.decode(self.read(copy).data, copy, copy.describe())
@@ -102,21 +109,32 @@ def _note(copy: Copy, error: Exception) -> tuple[Copy, str, bool]:
 
 
 class Fetcher:
-    """Runs the cascade of one round (one unit per rank) with the protocol in the module docstring."""
+    """Runs the cascade of one round (one unit per rank) with the protocol in the module docstring.
+
+    ``owners`` maps each fetching rank to the rank whose chain it fetches: itself when the units were written
+    by this layout; when restore reshards, each rank of the old layout is fetched by some rank of this job,
+    one old rank per fetching rank at a time (restore sets ``owners`` pass by pass).
+    """
 
     def __init__(self, comm: CheckpointComm, reader: Reader, consensus: Consensus, inventory: Inventory):
         self.comm = comm
         self.reader = reader
         self.consensus = consensus
+        self.owners = {r: r for r in consensus.chains}
         self.rank_nodes = inventory.rank_nodes
         self.servers = inventory.servers
         self.ledger = Ledger()
 
+    def rounds(self) -> int:
+        """How many rounds the current owners' chains take."""
+        return max(len(self.consensus.chains[o]) for o in self.owners.values())
+
     def round(self, k: int, carried_fatal: Optional[str]) -> tuple[Optional[PayloadId], Any]:
-        """Fetch unit ``k`` of every rank's chain; returns this rank's (unit, decoded object) or (None, None)."""
+        """Fetch unit ``k`` of every owner's chain; returns this rank's (unit, decoded object) or (None, None)."""
         me = self.comm.rank
-        need = {r: chain[k] for r, chain in self.consensus.chains.items() if k < len(chain)}
-        cands = {r: cascade(self.consensus.copies[(r, pid)], self.rank_nodes[r]) for r, pid in need.items()}
+        chains, copies = self.consensus.chains, self.consensus.copies
+        need = {r: chains[o][k] for r, o in self.owners.items() if k < len(chains[o])}
+        cands = {r: cascade(copies[(self.owners[r], pid)], self.rank_nodes[r]) for r, pid in need.items()}
         result, got, notes, nxt = self._local_attempt(cands.get(me, []))
         statuses = self.comm.gather({"got": got, "next": nxt, "notes": notes, "fatal": carried_fatal},
                                     what=f"recovery round {k} (local copies)")
@@ -127,7 +145,8 @@ class Fetcher:
             for r in pending:
                 if idx[r] >= len(cands[r]):
                     tried = ", ".join(c.describe() for c in cands[r]) or "no copy in any tier"
-                    raise Exhausted(f"rank {r} cannot get {need[r]} from any tier (tried: {tried})")
+                    whose = f"rank {r}" if self.owners[r] == r else f"rank {r} (for old rank {self.owners[r]})"
+                    raise Exhausted(f"{whose} cannot get {need[r]} from any tier (tried: {tried})")
             mine, status = self._remote_attempt(sorted(pending), cands, idx)
             statuses = self.comm.gather(status, what=f"recovery round {k} (remote attempt {attempt})")
             raise_fatal(statuses, f"round {k} (remote attempt {attempt})")
@@ -188,7 +207,7 @@ class Fetcher:
         for r in pending:
             got = statuses[r]["got"]
             if got is not None:
-                self.ledger.served[(r, need[r])] = tuple(got)
+                self.ledger.served[(self.owners[r], need[r])] = tuple(got)
                 self.ledger.moved[got[0]] += got[1]
             else:
                 if statuses[r]["next"] is None:

@@ -11,9 +11,11 @@ merged inventory, so every rank computes the same answer:
   chain of units (diff batches and step units, each from any tier; a chain may
   stop inside a unit), i.e. the newest step in the intersection of the
   per-rank reachable steps (:mod:`..format.chain`).
-- Only copies of this job and layout count. Copies of another job or layout
-  are set aside; if they are all there is, recovery is refused naming both
-  (starting fresh over them would collide with their Tier-3 commit records).
+- Only copies of this job (and a configuration it may resume) count; each
+  layout that wrote some is agreed on separately, the furthest E wins (see
+  :func:`decide`). Copies of another job are set aside; if they are all there
+  is, recovery is refused naming both (starting fresh over them would collide
+  with their Tier-3 commit records).
 
 Cascade (:func:`cascade`): a rank tries the copies of a unit in tier order as it
 reaches them: its own node's memory, another node's memory, remote storage.
@@ -25,6 +27,7 @@ server rank, a Tier-3 leader) can be checked against the inventory's record.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -33,9 +36,10 @@ from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
 from megatier.config.fingerprint import changed_keys
-from megatier.parallel.layout import layout_str as _layout_str
 
 log = logging.getLogger(__name__)
+
+LAYOUT_KEYS = ("parallel.",)  # fingerprint keys a relaunch may change: the state is resharded to the new layout
 
 
 @dataclass
@@ -44,9 +48,14 @@ class Consensus:
 
     version: int
     end: int
-    chains: dict[int, list[PayloadId]]
+    chains: dict[int, list[PayloadId]]  # by rank of the layout that wrote the units
     copies: dict[tuple[int, PayloadId], list[Copy]]
     ignored: list[str] = field(default_factory=list)
+    degrees: tuple[int, int, int] = (1, 1, 1)  # (tp, pp, dp) of the layout that wrote the units
+
+    def resharded(self, degrees: tuple[int, int, int]) -> bool:
+        """Whether a job of layout ``degrees`` restores this point through resharding."""
+        return self.degrees != tuple(degrees)
 
 
 @dataclass
@@ -59,9 +68,10 @@ class ConfigCheck:
     allow: tuple[str, ...] = ()  # checkpoint.allow_changes
 
     def blocked(self, fingerprint_id: str) -> list[str]:
-        """``key: old -> new`` for each change from ``fingerprint_id`` that this run may not make."""
+        """``key: old -> new`` for each change from ``fingerprint_id`` that this run may not make (the layout
+        may always change: restore reshards)."""
         changes = changed_keys(self.known[fingerprint_id], self.current)
-        return [c for c in changes if c.split(":")[0] not in self.allow]
+        return [c for c in changes if c.split(":")[0] not in self.allow and not c.startswith(LAYOUT_KEYS)]
 
     def refusal(self, fingerprint_id: str) -> Optional[str]:
         """None if units of ``fingerprint_id`` may be resumed, else what is wrong with them."""
@@ -73,12 +83,10 @@ class ConfigCheck:
         return f"another configuration ({'; '.join(blocked)})" if blocked else None
 
 
-def _foreign_reason(c: Copy, job_id: str, degrees: tuple[int, int, int], config: ConfigCheck) -> Optional[str]:
+def _foreign_reason(c: Copy, job_id: str, config: ConfigCheck) -> Optional[str]:
     s = c.stamp
     if s.job_id != job_id:
         return f"job {s.job_id!r}"
-    if s.layout.degrees != degrees:
-        return f"layout {_layout_str(s.layout.degrees)}"
     return config.refusal(s.fingerprint)
 
 
@@ -94,20 +102,16 @@ def _refuse_changed_config(foreign: list[tuple[Copy, str]], job_id: str, config:
         f"run, or set {allow} to resume them with these changes")
 
 
-def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, degrees: tuple[int, int, int],
-                    config: ConfigCheck) -> RecoveryError:
-    others = [(c, why) for c, why in foreign if c.stamp.job_id != job_id or c.stamp.layout.degrees != degrees]
+def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, config: ConfigCheck) -> RecoveryError:
+    others = [(c, why) for c, why in foreign if c.stamp.job_id != job_id]
     if not others:
         return _refuse_changed_config(foreign, job_id, config)
-    foreign = others
-    kinds = sorted({(c.stamp.job_id, c.stamp.layout.degrees) for c, _ in foreign})
-    found = "; ".join(f"job {j!r} with layout {_layout_str(d)}" for j, d in kinds)
-    c = foreign[0][0]
+    found = "; ".join(f"job {j!r}" for j in sorted({c.stamp.job_id for c, _ in others}))
+    c = others[0][0]
     return RecoveryError(
         f"refusing to recover: the only checkpoints found belong to {found} (e.g. {c.pid} of rank {c.owner} in "
-        f"{c.describe()}), but this job is {job_id!r} with layout {_layout_str(degrees)}. A checkpoint cannot be "
-        f"loaded into another job or layout: relaunch with the job id and layout it was written with, or use a "
-        f"new checkpoint.job_id")
+        f"{c.describe()}), but this job is {job_id!r}. A checkpoint cannot be loaded into another job: relaunch "
+        f"with the job id it was written with, or use a new checkpoint.job_id")
 
 
 def _missing_message(bases: dict[int, set[int]], world_size: int, looked: str) -> str:
@@ -125,37 +129,41 @@ def _missing_message(bases: dict[int, set[int]], world_size: int, looked: str) -
             f"start from random weights; set checkpoint.allow_fresh_start=true to start from scratch anyway")
 
 
-def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], world_size: int, traces: bool,
-           allow_fresh_start: bool, looked: str, config: Optional[ConfigCheck] = None) -> Optional[Consensus]:
-    """The recovery point all ranks agree on, or None for a fresh start (nothing of this job exists).
-
-    Raises RecoveryError when traces exist but some rank has no base anywhere
-    (unless ``allow_fresh_start``: then a warning and None), and always when the
-    only checkpoints found are of another job, layout or configuration.
-    """
-    if not traces:
-        return None
-    config = config or ConfigCheck("")
-    usable, foreign = [], []
+def _sort_usable(copies: list[Copy], job_id: str, config: ConfigCheck
+                 ) -> tuple[dict[tuple[int, int, int], list[Copy]], list[tuple[Copy, str]]]:
+    """This job's copies by the layout (degrees) that wrote them, and the foreign ones with why."""
+    by_layout: dict[tuple[int, int, int], list[Copy]] = {}
+    foreign = []
     for c in copies:
-        reason = _foreign_reason(c, job_id, degrees, config)
-        if reason is None and 0 <= c.owner < world_size:
-            usable.append(c)
+        reason = _foreign_reason(c, job_id, config)
+        degrees = c.stamp.layout.degrees
+        world = math.prod(degrees)
+        if reason is None and 0 <= c.owner < world:
+            by_layout.setdefault(degrees, []).append(c)
         else:
-            foreign.append((c, reason or f"rank {c.owner} outside world {world_size}"))
+            foreign.append((c, reason or f"rank {c.owner} outside world {world}"))
+    return by_layout, foreign
+
+
+def _bases(usable: list[Copy], world_size: int) -> dict[int, set[int]]:
     bases: dict[int, set[int]] = {r: set() for r in range(world_size)}
+    for c in usable:
+        if c.pid.kind == BASE:
+            bases[c.owner].add(c.pid.version)
+    return bases
+
+
+def _agree_within(usable: list[Copy], degrees: tuple[int, int, int]) -> Optional[Consensus]:
+    """V, E and the chains among copies of one layout, or None when no base is common to all its ranks."""
+    world_size = math.prod(degrees)
+    bases = _bases(usable, world_size)
     diffs: dict[int, set[PayloadId]] = {r: set() for r in range(world_size)}
     for c in usable:
-        (bases if c.pid.kind == BASE else diffs)[c.owner].add(c.pid.version if c.pid.kind == BASE else c.pid)
-    common = set.intersection(*bases.values()) if world_size else set()
+        if c.pid.kind != BASE:
+            diffs[c.owner].add(c.pid)
+    common = set.intersection(*bases.values())
     if not common:
-        if foreign:
-            raise _refuse_foreign(foreign, job_id, degrees, config)
-        message = _missing_message(bases, world_size, looked)
-        if allow_fresh_start:
-            log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
-            return None
-        raise RecoveryError(message)
+        return None
     version = max(common)
     reach = {r: reachable(version, diffs[r]) for r in range(world_size)}
     end = max(set.intersection(*(set(x) for x in reach.values())))
@@ -165,10 +173,41 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], wo
     for c in usable:
         if (c.owner, c.pid) in by_unit:
             by_unit[(c.owner, c.pid)].append(c)
-    ignored = [f"{c.pid} of rank {c.owner} in {c.describe()}: {why}" for c, why in foreign]
-    if ignored:
-        log.warning("recovery ignores %d copies of another job, layout or config, e.g. %s", len(ignored), ignored[0])
-    return Consensus(version, end, chains, by_unit, ignored)
+    return Consensus(version, end, chains, by_unit, degrees=degrees)
+
+
+def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], traces: bool, allow_fresh_start: bool,
+           looked: str, config: Optional[ConfigCheck] = None) -> Optional[Consensus]:
+    """The recovery point all ranks agree on, or None for a fresh start (nothing of this job exists).
+
+    Each layout that wrote copies of this job is agreed on separately (V and E need every rank *of that
+    layout*); the furthest E wins, this job's own layout on a tie, so a job relaunched on another layout
+    resumes the old layout's state (resharded by restore) until its own units reach further.
+
+    Raises RecoveryError when traces exist but no layout has a base for every one of its ranks (unless
+    ``allow_fresh_start``: then a warning and None), and always when the only checkpoints found are of
+    another job or configuration.
+    """
+    if not traces:
+        return None
+    config = config or ConfigCheck("")
+    by_layout, foreign = _sort_usable(copies, job_id, config)
+    agreed = [c for d, usable in by_layout.items() if (c := _agree_within(usable, d)) is not None]
+    if not agreed:
+        if foreign:
+            raise _refuse_foreign(foreign, job_id, config)
+        shown = degrees if degrees in by_layout or not by_layout else max(by_layout, key=lambda d: len(by_layout[d]))
+        message = _missing_message(_bases(by_layout.get(shown, []), math.prod(shown)), math.prod(shown), looked)
+        if allow_fresh_start:
+            log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
+            return None
+        raise RecoveryError(message)
+    best = max(agreed, key=lambda c: (c.end, c.degrees == degrees, c.version))
+    best.ignored = [f"{c.pid} of rank {c.owner} in {c.describe()}: {why}" for c, why in foreign]
+    if best.ignored:
+        log.warning("recovery ignores %d copies of another job or config, e.g. %s", len(best.ignored),
+                    best.ignored[0])
+    return best
 
 
 def cascade(copies: Iterable[Copy], node: str) -> list[Copy]:

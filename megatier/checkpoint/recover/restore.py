@@ -41,6 +41,7 @@ from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
 from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, last_step, raise_fatal, take_inventory
 from megatier.checkpoint.recover.record import recovery_record
+from megatier.checkpoint.recover.reshard import Rebuilder, assign, describe, exchange, reshard_label
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2
 from megatier.checkpoint.tiers.store import StoreError
@@ -58,35 +59,58 @@ class RecoveryResult:
     record: dict
 
 
-def _apply(ctx: CheckpointContext, shard: ShardAccess, pid: Optional[PayloadId], obj: Any,
-           upto: int) -> Optional[str]:
-    """Load the base, or replay one unit's records up to step ``upto``; an error is returned (and gathered),
-    not raised."""
+def _apply(ctx: CheckpointContext, target, pid: Optional[PayloadId], obj: Any, upto: int) -> Optional[str]:
+    """Load the base into ``target`` (this rank's ShardAccess, or the Rebuilder of old shards), or replay one
+    unit's records up to step ``upto``; an error is returned (and gathered), not raised."""
     if pid is None:
         return None
     try:
         if pid.kind == BASE:
-            shard.load_base(obj)
+            target.load_base(obj)
         else:
-            shard.replay([s for s in obj if s.step <= upto])
+            target.replay([s for s in obj if s.step <= upto])
             ctx.fault(CrashPoint.REPLAY_MID_BATCH, upto)
     except Exception as e:  # shape mismatch, a kernel error: fatal, reported on every rank
         return f"applying {pid} failed: {type(e).__name__}: {e}"
     return None
 
 
-def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, timings: list[float]) -> None:
-    """All rounds of the current consensus, applying each unit; adds to ``timings`` = [t_rollback, t_replay]."""
-    fatal = None
+def _rounds(ctx: CheckpointContext, fetcher: Fetcher, target, timings: list[float],
+            fatal: Optional[str] = None) -> Optional[str]:
+    """Every round of the fetcher's current owners, applying this rank's units to ``target``; adds to
+    ``timings`` = [t_rollback, t_replay]; returns the error to report (carried into the next status gather)."""
     consensus = fetcher.consensus
-    ends = replay_ends(consensus.chains[ctx.rank], consensus.end)
-    for k in range(max(len(c) for c in consensus.chains.values())):
+    owner = fetcher.owners.get(ctx.rank)
+    ends = replay_ends(consensus.chains[owner], consensus.end) if owner is not None else []
+    for k in range(fetcher.rounds()):
         t = time.perf_counter()
         pid, obj = fetcher.round(k, fatal)
-        fatal = _apply(ctx, shard, pid, obj, ends[k] if k < len(ends) else consensus.end)
+        fatal = _apply(ctx, target, pid, obj, ends[k] if k < len(ends) else consensus.end) or fatal
         timings[min(k, 1)] += time.perf_counter() - t
+    return fatal
+
+
+def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, timings: list[float]) -> None:
+    """Restore this rank's shard to the consensus point: fetch and replay its own chain, or (written by another
+    layout) rebuild the old shards and reshard them (:mod:`.reshard`); then publish the parameters."""
+    consensus = fetcher.consensus
+    fetcher.reader.degrees = consensus.degrees
+    if not consensus.resharded(ctx.layout.degrees):
+        fetcher.owners = {r: r for r in consensus.chains}
+        fatal = _rounds(ctx, fetcher, shard, timings)
+        raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")
+    else:
+        what = describe(consensus, ctx.layout.degrees)
+        rebuilder = Rebuilder(shard.optimizer, shard.global_batch_size, fetcher.reader.layout_of)
+        fatal = None
+        for owners in assign(consensus, fetcher.rank_nodes):
+            fetcher.owners, rebuilder.current = owners, owners.get(ctx.rank)
+            fatal = _rounds(ctx, fetcher, rebuilder, timings, fatal)
+        raise_fatal(ctx.comm.gather({"fatal": fatal}, what=f"the end of replay ({what})"), f"replay ({what})")
+        t = time.perf_counter()
+        exchange(ctx.comm, rebuilder, shard, ctx.layout.tp_rank, ctx.layout.tp, what)
+        timings[1] += time.perf_counter() - t
     t = time.perf_counter()
-    raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")
     shard.publish()
     timings[1] += time.perf_counter() - t
 
@@ -111,7 +135,7 @@ def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> 
 def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: bool) -> Optional[Consensus]:
     config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes))
     return decide([c for c in inv.copies if c not in bad], job_id=ctx.job_id, degrees=ctx.layout.degrees,
-                  world_size=ctx.world_size, traces=inv.traces, allow_fresh_start=allow_fresh_start,
+                  traces=inv.traces, allow_fresh_start=allow_fresh_start,
                   looked=inv.looked(), config=config)
 
 
@@ -143,7 +167,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
             log.info("no checkpoint of job %r to recover; starting fresh (looked in %s)", ctx.job_id, inv.looked())
         return None
     t_consensus = time.perf_counter() - t0
-    reader = Reader(ctx.node, ctx.job_id, ctx.layout, {t.label: t for t in ctx.tiers})
+    reader = Reader(ctx.node, ctx.job_id, consensus.degrees, {t.label: t for t in ctx.tiers})
     fetcher = Fetcher(ctx.comm, reader, consensus, inv)
     fetcher.ledger.fallbacks.extend(inv.notes)
     timings = [0.0, 0.0]
@@ -163,8 +187,10 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
                              tier1_present=inv.has_copies(TIER1) or inv.has_copies(TIER2),
                              last_step=last_step(inv), rank_nodes=inv.rank_nodes)
     record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
+    resharded = consensus.resharded(ctx.layout.degrees)
+    record["resharded"] = reshard_label(consensus.degrees, ctx.layout.degrees) if resharded else None
     if ctx.rank == 0:
-        log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed", record["version"],
+        log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed%s", record["version"],
                  record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),
-                 record["stale_units_removed"])
+                 record["stale_units_removed"], f"; resharded {record['resharded']}" if resharded else "")
     return RecoveryResult(consensus.version, consensus.end, record)

@@ -9,8 +9,9 @@ replay bit for bit from the exposed gradient shard, and the dp shards must
 tile each stage's flat buffer exactly once.
 
 The model has 3 layers, so pp=2 also exercises the uneven split (2 + 1).
-The vocabulary is padded to the same size (512) for tp=1 and tp=2, because
-padding rows take part in the softmax.
+The vocabulary is padded to the same size (512) for tp=1 and tp=2 only so the
+reassembled tensors have one shape (padding never enters the softmax); the
+canonical digest of the initial state, unpadded, must be the same everywhere.
 """
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ def _train_worker(rank: int, tp: int, pp: int, prefix: str, run_dir: str) -> dic
     world = torch.distributed.get_world_size()
     trainer = Trainer(_config(tp, pp, world // (tp * pp), prefix, run_dir))
     ps, opt = trainer.ps, trainer.optimizer
-    out = {"coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank), "losses": [], "replay_exact": []}
+    out = {"coords": (ps.tp_rank, ps.dp_rank, ps.pp_rank), "losses": [], "replay_exact": [],
+           "digest0": trainer.canonical_digest()}  # initial state: layout-independent by construction
     if world == 1:
         out["reference_grad"] = _reference_clipped_grad(trainer)
     for step in range(1, STEPS + 1):
@@ -219,6 +221,7 @@ def test_layout_matches_single_process(layout, baseline, corpus_prefix, tmp_path
         assert all(res["replay_exact"]), f"rank {res['coords']}: a step did not replay from its exposed gradient"
 
     _check_shards_tile_flat_buffer(results)
+    assert {r["digest0"] for r in results} == {base["digest0"]}, "the initial state's canonical digest differs"
     consumed, base_consumed = _gather_consumed(results), _gather_consumed(baseline)
     assert consumed.keys() == base_consumed.keys()
     for name, ref in base_consumed.items():

@@ -46,7 +46,7 @@ def copies(ranks, pids, node="node0", replica=False, **kw) -> list[Copy]:
 
 
 def run(cs: list[Copy], world: int = 2, allow: bool = False, degrees: tuple = DEG, job: str = JOB):
-    return decide(cs, job_id=job, degrees=degrees, world_size=world, traces=True, allow_fresh_start=allow,
+    return decide(cs, job_id=job, degrees=degrees, traces=True, allow_fresh_start=allow,
                   looked="Tier-1 on nodes node0, node1 and Tier-3 at /remote")
 
 
@@ -54,7 +54,7 @@ DIFFS = [D(1, 2), D(3, 4), D(5, 6), D(7, 8), D(9, 10), D(11, 12)]
 
 
 def test_nothing_anywhere_is_a_fresh_start():
-    assert decide([], job_id=JOB, degrees=DEG, world_size=2, traces=False, allow_fresh_start=False,
+    assert decide([], job_id=JOB, degrees=DEG, traces=False, allow_fresh_start=False,
                   looked="x") is None
 
 
@@ -129,13 +129,28 @@ def test_cascade_order_cheapest_first():
     assert order == [("node0", False), ("node0", True), ("node1", True), ("node2", False), (None, False)]
 
 
-def test_other_layout_is_refused_naming_both():
-    cs = copies([0, 1], [B(0), D(1, 2)], degrees=(2, 1, 1))
-    with pytest.raises(RecoveryError) as e:
+def test_another_layout_is_agreed_on_its_own_ranks_for_resharding():
+    cs = copies([0, 1, 2, 3], [B(0), D(1, 2), D(3, 4)], degrees=(2, 1, 2))
+    c = run(cs)
+    assert (c.version, c.end, c.degrees) == (0, 4, (2, 1, 2)) and c.resharded(DEG)
+    assert sorted(c.chains) == [0, 1, 2, 3]
+
+
+def test_the_furthest_layout_wins_and_ours_on_a_tie():
+    old = copies([0, 1, 2, 3], [B(0), D(1, 2), D(3, 4)], degrees=(2, 1, 2))
+    ours = copies([0, 1], [B(4), D(5, 6)])
+    c = run(old + ours)
+    assert (c.version, c.end, c.degrees) == (4, 6, DEG) and not c.resharded(DEG)
+    c = run(old + copies([0, 1], [B(4)]))
+    assert (c.end, c.degrees) == (4, DEG)
+    c = run(old + copies([0], [B(4), D(5, 6)]))  # our layout's rank 1 lost its base: the old layout stands
+    assert (c.version, c.end, c.degrees) == (0, 4, (2, 1, 2))
+
+
+def test_an_incomplete_other_layout_names_its_missing_ranks():
+    cs = copies([0, 1, 2], [B(0)], degrees=(2, 1, 2))
+    with pytest.raises(RecoveryError, match=r"ranks \[3\] have no base"):
         run(cs)
-    assert "tp=2 pp=1 dp=1" in str(e.value) and "tp=1 pp=1 dp=2" in str(e.value)
-    with pytest.raises(RecoveryError):  # never a fresh start over another layout's commits
-        run(cs, allow=True)
 
 
 def test_other_job_is_refused_naming_both():
@@ -147,10 +162,10 @@ def test_other_job_is_refused_naming_both():
 
 def test_foreign_copies_beside_usable_ones_are_ignored():
     cs = (copies([0, 1], [B(0), D(1, 2)]) + copies([0, 1], [B(8)], job="other")
-          + copies([0, 1], [B(9)], degrees=(2, 1, 1)))
+          + copies([0, 1], [B(0)], degrees=(2, 1, 1)))  # an older layout's state, not reaching as far
     c = run(cs)
-    assert (c.version, c.end) == (0, 2)
-    assert len(c.ignored) == 4
+    assert (c.version, c.end, c.degrees) == (0, 2, DEG)
+    assert len(c.ignored) == 2
 
 
 def test_overlapping_chains_after_a_rebase():
@@ -194,7 +209,7 @@ def test_listings_feed_the_consensus(tmp_path):
     assert {c.pid for c in remote.copies} == {B(0)}
     cs = own0.copies + own1.copies + replicas1.copies + remote.copies
     assert len(cs) == 2 + 4 + 2
-    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="here")
+    c = decide(cs, job_id=JOB, degrees=DEG, traces=True, allow_fresh_start=False, looked="here")
     assert (c.version, c.end) == (4, 4)
     assert [(x.node, x.replica) for x in cascade(c.copies[(0, B(4))], "node1")] == [("node1", True),
                                                                                    ("node0", False)]
@@ -232,13 +247,13 @@ def test_another_config_is_refused_naming_the_keys_unless_allowed():
     cs = _fp_copies([0, 1], [B(0), D(1, 2)], "old")
     check = ConfigCheck("new", new, {"old": old, "new": new})
     with pytest.raises(RecoveryError) as e:
-        decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=True, looked="x",
+        decide(cs, job_id=JOB, degrees=DEG, traces=True, allow_fresh_start=True, looked="x",
                config=check)
     msg = str(e.value)
     assert "optim.lr: 0.0006 -> 0.001" in msg and "train.seed: 1234 -> 7" in msg
     assert "checkpoint.allow_changes=[optim.lr,train.seed]" in msg and "new checkpoint.job_id" in msg
     allowed = ConfigCheck("new", new, {"old": old}, ("optim.lr", "train.seed"))
-    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+    c = decide(cs, job_id=JOB, degrees=DEG, traces=True, allow_fresh_start=False, looked="x",
                config=allowed)
     assert (c.version, c.end) == (0, 2)
     partly = ConfigCheck("new", new, {"old": old}, ("optim.lr",))
@@ -248,15 +263,15 @@ def test_another_config_is_refused_naming_the_keys_unless_allowed():
 def test_an_unrecorded_config_is_refused_unless_any_change_is_allowed():
     cs = _fp_copies([0, 1], [B(0)], "lost")
     with pytest.raises(RecoveryError, match=r"no record .*allow_changes=\['\*'\]"):
-        decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+        decide(cs, job_id=JOB, degrees=DEG, traces=True, allow_fresh_start=False, looked="x",
                config=ConfigCheck("new", {"a": "1"}))
-    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+    c = decide(cs, job_id=JOB, degrees=DEG, traces=True, allow_fresh_start=False, looked="x",
                config=ConfigCheck("new", {"a": "1"}, allow=("*",)))
     assert c.version == 0
 
 
 def test_units_of_the_current_config_beside_older_ones_are_used():
     cs = _fp_copies([0, 1], [B(0), D(1, 2)], "old") + _fp_copies([0, 1], [B(2), D(3, 4)], "new")
-    c = decide(cs, job_id=JOB, degrees=DEG, world_size=2, traces=True, allow_fresh_start=False, looked="x",
+    c = decide(cs, job_id=JOB, degrees=DEG, traces=True, allow_fresh_start=False, looked="x",
                config=ConfigCheck("new", {"a": "2"}, {"old": {"a": "1"}}))
     assert (c.version, c.end) == (2, 4) and len(c.ignored) == 4
