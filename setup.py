@@ -111,6 +111,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     entry_points={"console_scripts": [
+        "megatier-convert=megatier.cli.convert:main",
         "megatier-drill=megatier.cli.drill:main",
         "megatier-inspect=megatier.cli.inspect:main",
         "megatier-launch=megatier.cli.launch:main",

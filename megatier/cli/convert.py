@@ -1,0 +1,183 @@
+"""Export a job's checkpoint as a Hugging Face GPT-2 directory, from any tier and any layout.
+
+    megatier-convert export --job-id run42 out/gpt2
+    megatier-convert export --job-id run42 --step 800 --tier tier3 --data-prefix data/corpus out/gpt2-800 \\
+        --local-root /dev/shm/megatier --remote-url s3://bucket/runs --endpoint-url http://127.0.0.1:9000
+
+Writes ``config.json`` and ``model.safetensors`` (fp32, GPT-2 names, Conv1D
+orientation, the true vocabulary) that ``transformers.GPT2LMHeadModel
+.from_pretrained`` loads, plus the tokenizer files of ``--data-prefix`` when
+its data used BPE. The state is the one a restore of the job installs at the
+point (by default the newest, as a restore chooses it; ``--step N`` another
+one every rank of some layout reaches), rebuilt in this process from whatever
+layout wrote it (:mod:`.offline_state`), with every unit checksum-verified and
+a bad copy replaced by another tier's (:mod:`.offline_tiers`). The model and
+optimizer settings come from the config fingerprint the units carry, so no
+config file is needed. The last line is the state's canonical digest, the
+``canonical_digest`` of the training run's summary at that step.
+
+Importing needs no command: ``model.init_from=<dir>`` starts training from
+such a directory.
+
+Exit status: 0 exported; 1 nothing to export (no checkpoints, no such step,
+an output directory in use, bad arguments); 2 a unit has no good copy or a
+tier could not be read. Nothing is written unless the export succeeds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Optional
+
+from megatier.checkpoint.recover.consensus import Consensus
+from megatier.checkpoint.tiers.base import TIER_ORDER
+from megatier.cli.inspect import human
+from megatier.cli.offline_state import Rebuilt, choose_point, point_fingerprint, rebuild, run_configs, step_ranges
+from megatier.cli.offline_tiers import NOTHING, ExportError, OfflineTiers
+from megatier.config import CheckpointConfig, ModelConfig
+from megatier.data.indexed import IndexedDataset
+from megatier.interop.gpt2 import export_gpt2
+from megatier.interop.gpt2_config import GPT2FormatError
+from megatier.optim.canonical import canonical_digest
+from megatier.parallel.layout import layout_str
+
+_DEFAULTS = CheckpointConfig()
+
+
+def check_output(out_dir: str) -> None:
+    """Refuse an output path that is a file or a non-empty directory, before anything is read."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ExportError(f"{out_dir} exists and is not a directory; give a new or empty directory")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise ExportError(f"{out_dir} exists and is not empty; give a new or empty directory (nothing was "
+                          f"written)")
+
+
+def data_tokenizer(prefix: Optional[str], fingerprint: dict) -> Optional[dict]:
+    """The tokenizer spec of the run's data at ``prefix`` (None without one), checked to be the data the units
+    were trained on (the fingerprint records its checksum)."""
+    if prefix is None:
+        return None
+    try:
+        dataset = IndexedDataset(prefix)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--data-prefix {prefix}: {e}") from None
+    recorded = json.loads(fingerprint.get("data.checksum", "null"))
+    if recorded is not None and dataset.checksum != recorded:
+        raise ExportError(f"--data-prefix {prefix} holds other tokens (xxh64 {dataset.checksum}) than the job "
+                          f"trained on ({recorded}); give the run's data.prefix, or leave --data-prefix out")
+    return dataset.metadata.get("tokenizer")
+
+
+def _point_line(job_id: str, c: Consensus, fp_id: str) -> str:
+    replayed = len(c.chains[0]) - 1
+    how = f"{replayed} unit(s) replayed per rank" if replayed else "no replay"
+    return (f"point: job {job_id!r} step {c.end} from base v{c.version} ({how}), written by {layout_str(c.degrees)} "
+            f"({math.prod(c.degrees)} ranks), config fingerprint {fp_id}")
+
+
+def _replay_line(c: Consensus, rebuilt: Rebuilt) -> str:
+    if c.end == c.version:
+        return f"replay: none (the base is at step {c.end})"
+    codecs = ", ".join(sorted(rebuilt.codecs)) or "no"
+    steps = step_ranges(range(c.version + 1, c.end + 1))
+    if rebuilt.codecs <= {"fp32"}:
+        return f"replay: steps {steps} from {codecs} diffs: exact, the state training had at step {c.end}"
+    return (f"replay: steps {steps} from {codecs} diffs: lossy, the state a restore to step {c.end} installs "
+            f"(not bitwise the one training had)")
+
+
+def _read_line(rebuilt: Rebuilt) -> str:
+    total = sum(rebuilt.bytes_by_tier.values())
+    tiers = ", ".join(f"{t} {human(rebuilt.bytes_by_tier[t])}" for t in TIER_ORDER if t in rebuilt.bytes_by_tier)
+    return f"read: {rebuilt.units} units, {human(total)} ({tiers})"
+
+
+def _model_line(m: ModelConfig, weights: dict) -> str:
+    vocab = weights["word.weight"].shape[0]
+    nbytes = sum(t.numel() * 4 for t in weights.values())
+    return (f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_heads} heads, vocabulary {vocab} "
+            f"({len(weights)} tensors, {human(nbytes)} fp32)")
+
+
+def _tokenizer_line(spec: Optional[dict]) -> str:
+    if spec is None:
+        return "tokenizer: none (give --data-prefix <the run's data.prefix> to add its tokenizer)"
+    return f"tokenizer: {spec.get('type')} (from --data-prefix)"
+
+
+def export(args: argparse.Namespace) -> list[str]:
+    """Run ``export`` (module docstring); returns the report's lines. Raises ExportError with one line."""
+    check_output(args.out_dir)
+    tiers = OfflineTiers(args.job_id, args.local_root, args.remote_url, endpoint_url=args.endpoint_url,
+                         tiers=args.tier or TIER_ORDER)
+    holdings = tiers.holdings()
+    point = choose_point(holdings, args.job_id, args.step)
+    fp_id, fingerprint = point_fingerprint(holdings, point)
+    model_cfg, optim_cfg = run_configs(fingerprint, fp_id)
+    tokenizer = data_tokenizer(args.data_prefix, fingerprint)
+    rebuilt = rebuild(tiers, point, optim_cfg)
+    weights = {name: kinds["master"] for name, kinds in rebuilt.canonical.items()}
+    check_output(args.out_dir)  # nothing appeared meanwhile
+    try:
+        export_gpt2(weights, model_cfg, args.out_dir, tokenizer=tokenizer)
+    except GPT2FormatError as e:
+        raise ExportError(str(e)) from None
+    return [_point_line(args.job_id, point, fp_id), _read_line(rebuilt),
+            *(f"fallback: {line}" for line in rebuilt.fallbacks), _replay_line(point, rebuilt),
+            _model_line(model_cfg, weights), _tokenizer_line(tokenizer),
+            f"wrote: {args.out_dir} ({', '.join(sorted(os.listdir(args.out_dir)))})",
+            f"canonical_digest: {canonical_digest(rebuilt.canonical)} (master, exp_avg and exp_avg_sq at step "
+            f"{point.end}; a training run's summary reports the same at that step)"]
+
+
+def _step(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; steps count from 0")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line and exit status 1, like every other refusal of this command."""
+
+    def error(self, message: str):
+        self.exit(NOTHING, f"error: {message}; see {self.prog} --help\n")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = _Parser(prog="megatier-convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    e = sub.add_parser("export", help="write a Hugging Face GPT-2 directory from a job's checkpoint")
+    e.add_argument("out_dir", help="the directory to write (new or empty)")
+    e.add_argument("--job-id", required=True, help="checkpoint.job_id of the run")
+    e.add_argument("--step", type=_step, default=None,
+                   help="the step to export (default: the newest recovery point, as a restore chooses it)")
+    e.add_argument("--tier", action="append", choices=TIER_ORDER, default=None,
+                   help="read only this tier (repeatable; default: all): tier1 own areas, tier2 replica areas, "
+                        "tier3 committed remote units")
+    e.add_argument("--data-prefix", default=None,
+                   help="the run's data.prefix: adds its tokenizer (BPE files, eos id); checked against the job's")
+    e.add_argument("--local-root", default=_DEFAULTS.local.root, help="checkpoint.local.root (Tier-1/Tier-2)")
+    e.add_argument("--remote-url", default=_DEFAULTS.remote.url, help="checkpoint.remote.url (Tier-3)")
+    e.add_argument("--endpoint-url", default=None, help="checkpoint.remote.endpoint_url for S3-compatible services")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        lines = export(args)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

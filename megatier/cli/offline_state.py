@@ -1,0 +1,221 @@
+"""A job's state at a recovery point, rebuilt offline from its tiers as a full, layout-free canonical state.
+
+1. The point (:func:`choose_point`): by default the one a restore chooses
+   (:func:`~megatier.checkpoint.recover.consensus.decide`: the furthest step E
+   every rank of some layout reaches, from the newest base V on a tie between
+   layouts); with a step N, the newest base V of any layout from which every
+   rank of that layout reaches N (:func:`reachable_points` says which steps
+   those are, for the error when N is none of them).
+2. The configuration (:func:`run_configs`): the config fingerprint the units
+   reaching E are stamped with, as the tiers record it (key -> JSON value of
+   every model and optimizer setting), gives the ModelConfig and the
+   OptimConfig. It travels with the units in every tier and names exactly the
+   run that wrote them, so no config file or run directory is needed.
+3. The rebuild (:func:`rebuild`): each old rank's base V and its units up to E,
+   read with fallback across copies (:class:`~.offline_tiers.OfflineTiers`),
+   replayed on a stand-alone shard with the same fused kernel as a restore
+   (:class:`~megatier.checkpoint.recover.reshard.OldShard`), cut into canonical
+   pieces and assembled (:func:`~megatier.optim.canonical.assemble`). So the
+   state is the one a restore to (V, E) installs, under any layout: exact with
+   lossless (fp32) diffs, a lossy codec's replay otherwise.
+
+One old rank is held in memory at a time, besides the pieces gathered so far.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from megatier.checkpoint.format.chain import chain_to, reachable, replay_ends
+from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.recover.consensus import Consensus, decide
+from megatier.checkpoint.recover.inventory import RecoveryError
+from megatier.checkpoint.recover.reshard import OldShard
+from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.tiers.base import Copy
+from megatier.cli.offline_tiers import UNREADABLE, ExportError, Holdings, OfflineTiers, where
+from megatier.config import ModelConfig, OptimConfig
+from megatier.optim.canonical import STATE_KINDS, ReshardError, ShardState, assemble, shard_pieces
+from megatier.parallel.layout import layout_str
+
+Degrees = tuple[int, int, int]
+NO_LAYOUT: Degrees = (0, 0, 0)  # matches no layout: decide() then prefers the newest base among equal ends
+
+
+def step_ranges(steps: Iterable[int]) -> str:
+    """``0-8, 12, 14-16``: sorted steps as runs."""
+    runs: list[list[int]] = []
+    for s in sorted(set(steps)):
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _by_layout(copies: Iterable[Copy], job_id: str) -> dict[Degrees, list[Copy]]:
+    """This job's copies grouped by the layout (tp, pp, dp) that wrote them; ranks outside it dropped."""
+    out: dict[Degrees, list[Copy]] = {}
+    for c in copies:
+        degrees = c.stamp.layout.degrees
+        if c.stamp.job_id == job_id and 0 <= c.owner < math.prod(degrees):
+            out.setdefault(degrees, []).append(c)
+    return out
+
+
+def _per_rank(copies: list[Copy], world: int) -> tuple[list[set[int]], list[set[PayloadId]]]:
+    """(base versions, diff and step units) held for each rank 0..world-1."""
+    bases: list[set[int]] = [set() for _ in range(world)]
+    diffs: list[set[PayloadId]] = [set() for _ in range(world)]
+    for c in copies:
+        (bases[c.owner].add(c.pid.version) if c.pid.kind == BASE else diffs[c.owner].add(c.pid))
+    return bases, diffs
+
+
+def reachable_points(copies: Iterable[Copy], job_id: str) -> dict[Degrees, dict[int, set[int]]]:
+    """Layout -> {base V that every rank of it holds: the steps every rank reaches from V}."""
+    out: dict[Degrees, dict[int, set[int]]] = {}
+    for degrees, usable in _by_layout(copies, job_id).items():
+        bases, diffs = _per_rank(usable, math.prod(degrees))
+        out[degrees] = {v: set.intersection(*(set(reachable(v, d)) for d in diffs))
+                        for v in set.intersection(*bases)}
+    return out
+
+
+def _consensus_at(usable: list[Copy], degrees: Degrees, version: int, end: int) -> Consensus:
+    """Every rank's chain from base ``version`` to step ``end`` (reachable by all) and the copies of its units."""
+    world = math.prod(degrees)
+    _, diffs = _per_rank(usable, world)
+    chains = {r: chain_to(reachable(version, diffs[r]), version, end) for r in range(world)}
+    copies: dict[tuple[int, PayloadId], list[Copy]] = {(r, pid): [] for r, ch in chains.items() for pid in ch}
+    for c in usable:
+        if (c.owner, c.pid) in copies:
+            copies[(c.owner, c.pid)].append(c)
+    return Consensus(version, end, chains, copies, degrees=degrees)
+
+
+def _no_point(holdings: Holdings, job_id: str) -> ExportError:
+    if not holdings.traces:
+        return ExportError(f"no checkpoints of job {job_id!r} in {' or '.join(holdings.looked) or 'any tier'}; "
+                           f"check --job-id, --local-root, --remote-url and --tier")
+    found = []
+    for degrees, usable in sorted(_by_layout(holdings.copies, job_id).items()):
+        bases, _ = _per_rank(usable, math.prod(degrees))
+        found.append(f"{layout_str(degrees)}: bases per rank {[sorted(b) for b in bases]}")
+    return ExportError(f"job {job_id!r} has no recovery point: no layout has a base that every one of its ranks "
+                       f"holds ({'; '.join(found) or 'no complete unit'}) in {' or '.join(holdings.looked)}")
+
+
+def _unreachable(holdings: Holdings, job_id: str, step: int, points: dict[Degrees, dict[int, set[int]]]
+                 ) -> ExportError:
+    reach = [f"{step_ranges(s for steps in bases.values() for s in steps)} ({layout_str(d)})"
+             for d, bases in sorted(points.items()) if bases]
+    pending = [str(p) for p in holdings.uncommitted if p.first <= step <= p.last]
+    note = (f"; Tier-3 holds {', '.join(sorted(pending))} uncommitted, and uncommitted units are never read"
+            if pending else "")
+    return ExportError(f"step {step} is not a recovery point of job {job_id!r}: every rank of a layout reaches "
+                       f"steps {'; '.join(reach)}{note}; pick one of those with --step")
+
+
+def choose_point(holdings: Holdings, job_id: str, step: Optional[int]) -> Consensus:
+    """The recovery point to export (module docstring, step 1); ExportError (exit status 1) when there is none."""
+    points = reachable_points(holdings.copies, job_id)
+    if not any(points.values()):
+        raise _no_point(holdings, job_id)
+    if step is None:
+        try:
+            return decide(holdings.copies, job_id=job_id, degrees=NO_LAYOUT, traces=True, allow_fresh_start=False,
+                          looked=" and ".join(holdings.looked))
+        except RecoveryError as e:
+            raise ExportError(str(e)) from None
+    candidates = [(v, d) for d, bases in points.items() for v, steps in bases.items() if step in steps]
+    if not candidates:
+        raise _unreachable(holdings, job_id, step, points)
+    version, degrees = max(candidates)  # the newest base: the shortest replay
+    return _consensus_at(_by_layout(holdings.copies, job_id)[degrees], degrees, version, step)
+
+
+def _section(cls, prefix: str, fingerprint: dict, fp_id: str):
+    values = {k[len(prefix) + 1:]: json.loads(v) for k, v in fingerprint.items() if k.startswith(prefix + ".")}
+    unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+        raise ExportError(f"config fingerprint {fp_id} names {prefix} settings this MegaTier does not have "
+                          f"({', '.join(unknown)}); export with the MegaTier version that trained the job")
+    return cls(**values)
+
+
+def point_fingerprint(holdings: Holdings, consensus: Consensus) -> tuple[str, dict]:
+    """(id, fingerprint) of the config that wrote the units reaching E (rank 0's last unit of the chain)."""
+    last = consensus.chains[0][-1]
+    fp_id = consensus.copies[(0, last)][0].stamp.fingerprint
+    if fp_id not in holdings.fingerprints:
+        what = f"config fingerprint {fp_id}" if fp_id else "no config fingerprint (an older MegaTier wrote them)"
+        raise ExportError(f"rank 0's {last} carries {what}, which no tier read records, so the model shape is "
+                          f"unknown; export from the tiers that hold the job's fingerprints (drop --tier)")
+    return fp_id, holdings.fingerprints[fp_id]
+
+
+def run_configs(fingerprint: dict, fp_id: str = "") -> tuple[ModelConfig, OptimConfig]:
+    """The ModelConfig and OptimConfig a config fingerprint records (``model.*`` and ``optim.*`` keys)."""
+    return _section(ModelConfig, "model", fingerprint, fp_id), _section(OptimConfig, "optim", fingerprint, fp_id)
+
+
+@dataclass
+class _ReplayOptimizer:
+    """What :class:`OldShard` takes from an optimizer: AdamW's settings, and no loss scaler (fp16 steps that were
+    skipped replay from their flag alone; the scaler's own state is not exported)."""
+
+    cfg: OptimConfig
+    scaler: None = None
+
+
+@dataclass
+class Rebuilt:
+    """The canonical state at the point and what it took to get there."""
+
+    canonical: dict[str, dict[str, object]]  # name -> kind -> full unpadded fp32 tensor
+    units: int = 0
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    fallbacks: list[str] = field(default_factory=list)
+    codecs: set[str] = field(default_factory=set)  # diff codecs replayed ("fp32" alone: exact)
+
+
+def _rebuild_rank(tiers: OfflineTiers, c: Consensus, owner: int, optim: OptimConfig, out: Rebuilt) -> ShardState:
+    """Old rank ``owner``'s shard at E: its base V, then each unit replayed up to where the chain leaves it."""
+    access, layout = None, None
+    for pid, upto in zip(c.chains[owner], replay_ends(c.chains[owner], c.end)):
+        read = tiers.load(owner, pid, c.copies[(owner, pid)])
+        out.units += 1
+        out.bytes_by_tier[read.copy.tier] = out.bytes_by_tier.get(read.copy.tier, 0) + read.copy.stamp.size
+        out.fallbacks += [f"rank {owner} {pid}: {why}; read {where(read.copy)} instead"
+                          for why in read.failed]
+        if pid.kind == BASE:
+            access, layout = ShardAccess(OldShard(read.obj, _ReplayOptimizer(optim)), 1), read.copy.stamp.layout
+            continue
+        steps = [s for s in read.obj if s.step <= upto]
+        out.codecs.update(s.header.get("mode", "?") for s in steps if not s.skipped)
+        try:
+            access.replay(steps)
+        except (ValueError, RuntimeError) as e:  # a record that does not fit the shard it follows
+            raise ExportError(f"replaying rank {owner}'s {pid} ({where(read.copy)}) failed: {e}",
+                              UNREADABLE) from None
+    o = access.optimizer
+    return ShardState(layout.tp_rank, layout.tp, o.shard_segments, {k: getattr(o, k) for k in STATE_KINDS})
+
+
+def rebuild(tiers: OfflineTiers, consensus: Consensus, optim: OptimConfig) -> Rebuilt:
+    """The canonical state at ``consensus`` (module docstring, step 3); ExportError (exit status 2) when a unit
+    has no good copy or the shards do not make one model."""
+    out = Rebuilt({})
+    pieces = []
+    try:
+        for owner in range(math.prod(consensus.degrees)):
+            pieces += shard_pieces(_rebuild_rank(tiers, consensus, owner, optim, out))
+        out.canonical = assemble(pieces)
+    except ReshardError as e:
+        raise ExportError(f"cannot rebuild the state of {layout_str(consensus.degrees)}: {e}", UNREADABLE) from None
+    return out
+
