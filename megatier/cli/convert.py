@@ -72,11 +72,15 @@ def data_tokenizer(prefix: Optional[str], fingerprint: dict) -> Optional[dict]:
     return dataset.metadata.get("tokenizer")
 
 
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
 def _point_line(job_id: str, c: Consensus, fp_id: str) -> str:
     replayed = len(c.chains[0]) - 1
-    how = f"{replayed} unit(s) replayed per rank" if replayed else "no replay"
+    how = f"{_count(replayed, 'diff unit')} replayed per rank" if replayed else "no replay"
     return (f"point: job {job_id!r} step {c.end} from base v{c.version} ({how}), written by {layout_str(c.degrees)} "
-            f"({math.prod(c.degrees)} ranks), config fingerprint {fp_id}")
+            f"({_count(math.prod(c.degrees), 'rank')}), config fingerprint {fp_id}")
 
 
 def _replay_line(c: Consensus, rebuilt: Rebuilt) -> str:
@@ -93,7 +97,7 @@ def _replay_line(c: Consensus, rebuilt: Rebuilt) -> str:
 def _read_line(rebuilt: Rebuilt) -> str:
     total = sum(rebuilt.bytes_by_tier.values())
     tiers = ", ".join(f"{t} {human(rebuilt.bytes_by_tier[t])}" for t in TIER_ORDER if t in rebuilt.bytes_by_tier)
-    return f"read: {rebuilt.units} units, {human(total)} ({tiers})"
+    return f"read: {_count(rebuilt.units, 'unit')}, {human(total)} ({tiers}), every one checksum-verified"
 
 
 def _model_line(m: ModelConfig, weights: dict) -> str:
@@ -106,7 +110,17 @@ def _model_line(m: ModelConfig, weights: dict) -> str:
 def _tokenizer_line(spec: Optional[dict]) -> str:
     if spec is None:
         return "tokenizer: none (give --data-prefix <the run's data.prefix> to add its tokenizer)"
-    return f"tokenizer: {spec.get('type')} (from --data-prefix)"
+    if spec.get("type") == "bpe":
+        return "tokenizer: bpe from --data-prefix (tokenizer.json, tokenizer_config.json)"
+    return f"tokenizer: {spec.get('type')} from --data-prefix (no files: ids are UTF-8 bytes; eos id in config.json)"
+
+
+def _digest_line(c: Consensus, rebuilt: Rebuilt) -> str:
+    exact = rebuilt.codecs <= {"fp32"}
+    which = ("the training run's summary canonical_digest at that step" if exact
+             else "the restored state's; lossy diffs make it differ from the training run's summary")
+    return (f"canonical_digest: {canonical_digest(rebuilt.canonical)} (master, exp_avg and exp_avg_sq at step "
+            f"{c.end}: {which})")
 
 
 def export(args: argparse.Namespace) -> list[str]:
@@ -129,9 +143,7 @@ def export(args: argparse.Namespace) -> list[str]:
     return [_point_line(args.job_id, point, fp_id), _read_line(rebuilt),
             *(f"fallback: {line}" for line in rebuilt.fallbacks), _replay_line(point, rebuilt),
             _model_line(model_cfg, weights), _tokenizer_line(tokenizer),
-            f"wrote: {args.out_dir} ({', '.join(sorted(os.listdir(args.out_dir)))})",
-            f"canonical_digest: {canonical_digest(rebuilt.canonical)} (master, exp_avg and exp_avg_sq at step "
-            f"{point.end}; a training run's summary reports the same at that step)"]
+            f"wrote: {args.out_dir} ({', '.join(sorted(os.listdir(args.out_dir)))})", _digest_line(point, rebuilt)]
 
 
 def _step(text: str) -> int:

@@ -60,11 +60,11 @@ GRADS = {step: {n: {k: kinds["master"] for k in STATE_KINDS} for n, kinds in _ca
 class Job:
     """The units of one job in layout tp=1 pp=1 dp=``dp``: payloads by (rank, unit)."""
 
-    def __init__(self, process_group, job_id: str, dp: int):
+    def __init__(self, process_group, job_id: str, dp: int, codec: str = "fp32"):
         model = GPTStage(CFG, VOCAB, StageSpec(range(CFG.num_layers), True, True), tp_group=process_group.tp_group,
                          dropout_generator=torch.Generator())
         flat = FlatLayout.from_module(model, dp, tp_rank=0, shared_copies=set())
-        self.job_id, self.dp, self.units = job_id, dp, {}
+        self.job_id, self.dp, self.codec, self.units = job_id, dp, codec, {}
         for rank in range(dp):
             segs = flat.shard_segments(rank)
             layout = Layout(1, 1, dp, 0, 0, rank)
@@ -73,16 +73,16 @@ class Job:
                              segments=[s.to_dict() for s in segs])
             self.units[(rank, PayloadId.base(0))] = encode_base(base, job_id=job_id, layout=layout,
                                                                 fingerprint=FP_ID)
-            records = [self._record(step, segs, flat.shard_size) for step in range(1, STEPS + 1)]
+            records = [self._record(step, segs, flat.shard_size, codec) for step in range(1, STEPS + 1)]
             for first in range(1, STEPS + 1, 2):
                 batch = encode_diff_batch(records[first - 1:first + 1], job_id=job_id, layout=layout,
                                           fingerprint=FP_ID)
                 self.units[(rank, batch.stamp.pid)] = batch
 
     @staticmethod
-    def _record(step: int, segs, size: int) -> DiffStep:
+    def _record(step: int, segs, size: int, codec: str) -> DiffStep:
         grad = cut_shard(GRADS[step], segs, 0, 1, size)["master"]
-        record = ops.compress_segments(grad, tiling_segments(segs, size), "fp32", seed=step)
+        record = ops.compress_segments(grad, tiling_segments(segs, size), codec, seed=step)
         return DiffStep(step, 1e-2 / step, step, False, dict(record.tensors), dict(record.header))
 
     def to_memory(self, root: str, node: str = "node0", pids=None) -> NodeMemory:
@@ -132,7 +132,7 @@ def test_exports_of_two_layouts_are_bitwise_equal_and_step_0_is_the_base(process
     out_two = capsys.readouterr().out
     assert _export(tmp_path, "one", "b") == 0
     out_one = capsys.readouterr().out
-    assert "step 4 from base v0 (2 unit(s) replayed per rank), written by tp=1 pp=1 dp=2" in out_two
+    assert "step 4 from base v0 (2 diff units replayed per rank), written by tp=1 pp=1 dp=2 (2 ranks)" in out_two
     assert "replay: steps 1-4 from fp32 diffs: exact" in out_two
     a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -143,6 +143,15 @@ def test_exports_of_two_layouts_are_bitwise_equal_and_step_0_is_the_base(process
     assert "replay: none (the base is at step 0)" in capsys.readouterr().out
     exported = load_gpt2(str(tmp_path / "zero"), CFG, VOCAB)
     assert all(torch.equal(exported[n], STATE[n]["master"]) for n in STATE)
+
+
+def test_lossy_diffs_replay_and_say_so(process_group, tmp_path, capsys):
+    Job(process_group, "lossy", 2, codec="int8").to_memory(str(tmp_path / "shm"))
+    assert _export(tmp_path, "lossy", "hf", "--step", "3") == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "replay: steps 1-3 from int8 diffs: lossy, the state a restore to step 3 installs" in lines[2]
+    assert "lossy diffs make it differ from the training run's summary" in lines[-1]
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
 def test_a_corrupt_copy_falls_back_and_a_corrupt_only_copy_fails(process_group, tmp_path, capsys):
