@@ -1,5 +1,5 @@
 """megatier-convert export on the units of real runs: transformers computes MegaTier's model, every layout exports
-the same bytes, and import then export gives back the imported weights.
+the same bytes, a lossy export is what a restore installs, and import then export gives back the imported weights.
 
 A tiny GPT (3 layers, so pp=2 splits it 2 + 1) trains E=8 steps at tp=1 with lossless diffs (bases at 0 and
 6, batches of 2: the newest point replays v6 -> 8). Relaunching the same job on tp=2 or pp=2 with nothing left
@@ -47,7 +47,7 @@ MODEL = ModelConfig(name="tiny3", num_layers=3, hidden_size=32, num_heads=4, max
                     make_vocab_size_divisible_by=128)
 
 
-def _config(prefix: str, tmp: str, run: str, degrees, iters: int, model: ModelConfig = MODEL) -> Config:
+def _config(prefix: str, tmp: str, run: str, degrees, iters: int, model: ModelConfig, codec: str) -> Config:
     tp, pp, _ = degrees
     return Config(
         model=model, parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
@@ -56,7 +56,7 @@ def _config(prefix: str, tmp: str, run: str, degrees, iters: int, model: ModelCo
         train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=5, device="cpu", threads=1,
                           eval_interval=10**6, eval_iters=1),
         checkpoint=CheckpointConfig(enabled=True, base_interval=6, job_id=JOB,
-                                    diff=DiffStreamConfig(batch=2, compression="fp32"),
+                                    diff=DiffStreamConfig(batch=2, compression=codec),
                                     local=LocalTierConfig(root=os.path.join(tmp, "shm")),
                                     remote=RemoteTierConfig(url=os.path.join(tmp, "remote"))),
         logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, run), progress=False,
@@ -64,10 +64,11 @@ def _config(prefix: str, tmp: str, run: str, degrees, iters: int, model: ModelCo
     )
 
 
-def _run(rank: int, prefix: str, tmp: str, degrees, iters: int, model: ModelConfig = MODEL) -> dict:
+def _run(rank: int, prefix: str, tmp: str, degrees, iters: int, model: ModelConfig = MODEL,
+         codec: str = "fp32") -> dict:
     """Train (or, relaunched with nothing left to train, restore and re-base) and return this rank's shard."""
     os.environ.update(MEGATIER_NODE_NAME="node0")
-    trainer = Trainer(_config(prefix, tmp, f"run-{degrees}", degrees, iters, model))
+    trainer = Trainer(_config(prefix, tmp, f"run-{degrees}", degrees, iters, model, codec))
     trainer.train()
     o, ps = trainer.optimizer, trainer.ps
     shard = ShardState(ps.tp_rank, ps.tp, o.shard_segments, {k: v.clone() for k, v in o.state_tensors().items()})
@@ -145,6 +146,18 @@ def test_exports_from_tp2_and_pp2_relaunches_are_bitwise_the_tp1_export(trained,
         assert got.keys() == want.keys()
         for name, value in want.items():
             assert torch.equal(got[name], value), f"{name} of the {degrees} export differs from tp=1's"
+
+
+def test_a_lossy_export_is_the_state_a_restore_installs(corpus_prefix, tmp_path, capsys):
+    """With int8 diffs the replayed state is not training's, but it is exactly what a relaunch restores."""
+    trained = run_world(_run, 1, tmp_path, corpus_prefix, str(tmp_path), (1, 1, 1), E, MODEL, "int8", timeout_s=90)
+    lines = _export(tmp_path, "hf", capsys)
+    assert "from int8 diffs: lossy" in lines[2]
+    digest = lines[-1].split()[1]
+    assert digest != trained[0]["digest"]
+    restored = run_world(_run, 1, tmp_path, corpus_prefix, str(tmp_path), (1, 1, 1), E, MODEL, "int8",
+                         timeout_s=90)
+    assert restored[0]["digest"] == digest
 
 
 def test_import_then_export_is_bitwise_the_imported_weights(corpus_prefix, tmp_path, capsys):
