@@ -29,7 +29,7 @@ from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
 from megatier.checkpoint.tiers.base import Tier
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.checkpoint.tiers.peer import PeerTier
+from megatier.checkpoint.tiers.peer import PeerTier, ReplicaArea
 from megatier.checkpoint.tiers.remote import RemoteTier, open_remote_store
 from megatier.checkpoint.tiers.replicator import PeerReplicator
 from megatier.checkpoint.tiers.store import ObjectStore
@@ -111,15 +111,19 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     tiers: list[Tier] = []
     if "local" in cfg.tiers:
         memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
+        lists = ps.local_rank == 0  # reclaims what ranks of an older layout or ring left on this node
         tiers.append(LocalTier(memory, ps.rank, keep_bases=cfg.local.keep_bases,
-                               budget_bytes=int(cfg.local.budget_gib * (1 << 30)), fault=fault))
-        if "peer" in cfg.tiers and ps.replica_holder_rank is not None:
+                               budget_bytes=int(cfg.local.budget_gib * (1 << 30)), fault=fault,
+                               world_size=ps.world_size if lists else None))
+        if ps.replica_holder_rank is None or "peer" not in cfg.tiers:
+            tiers.append(ReplicaArea(memory, lists=lists, fault=fault))  # what an earlier ring left here
+        else:
             replicator = PeerReplicator(memory, rank=ps.rank, holder_rank=ps.replica_holder_rank,
                                         owner_rank=ps.replica_owner_rank, group=transfer_group,
                                         base_interval=cfg.base_interval,
                                         max_chunk_bytes=int(cfg.peer.max_chunk_mib * (1 << 20)),
                                         timeout_s=timeout_s, fault_hook=fault)
-            tiers.append(PeerTier(memory, replicator, keep_bases=cfg.local.keep_bases, fault=fault))
+            tiers.append(PeerTier(memory, replicator, keep_bases=cfg.local.keep_bases, fault=fault, lists=lists))
     if store is not None:
         tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
                                 incarnation=incarnation, keep_bases=cfg.remote.keep_bases,

@@ -101,13 +101,14 @@ class CheckpointManager:
         self._step = 0
         # Units finished at the previous step, for the lockstep tiers: the save thread's (by id) or the loop's own.
         self._handoff: list[Union[PayloadId, EncodedPayload]] = []
-        self._lockstep = [t for t in ctx.tiers if t.lockstep]
+        saving = [t for t in ctx.tiers if t.saves]
+        self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
-        self._step_tiers = [t for t in ctx.tiers if t.takes_steps] if self.cfg.diff.per_step else []
-        self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in ctx.tiers if not t.lockstep],
+        self._step_tiers = [t for t in saving if t.takes_steps] if self.cfg.diff.per_step else []
+        self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in saving if not t.lockstep],
                                  keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
 
     # ---- start -------------------------------------------------------------------------------
@@ -227,7 +228,7 @@ class CheckpointManager:
 
     def _sync(self, step: int) -> None:
         """One all-gather: every rank learns the watermark and every tier's recovery point."""
-        tiers = self.ctx.tiers
+        tiers = [t for t in self.ctx.tiers if t.saves]  # a read-only tier has no recovery point of this run
         durable = max((b for t in tiers if (b := t.durable_base()) is not None), default=None)
         mine = [p if (p := t.point()) is not None else _NONE for t in tiers]
         rows = self.ctx.comm.gather_ints(mine + [durable if durable is not None else _NONE],
@@ -240,7 +241,7 @@ class CheckpointManager:
         if committed != _NONE and (self.watermark is None or committed > self.watermark):
             self.watermark = committed
         # Node memory also keeps to its own retention while Tier-3 is behind; the save thread deletes.
-        self.worker.submit_reclaim(self.watermark, tiers)
+        self.worker.submit_reclaim(self.watermark, self.ctx.tiers)
         self._last["degraded"] = self._degraded()
 
     def _degraded(self) -> Optional[str]:

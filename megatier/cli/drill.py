@@ -17,6 +17,11 @@ Tier-3 directory and run directory under ``--work-dir``. For each step S of
             gone) and relaunches with a replacement node of the same name;
   rack      kills every process at S, wipes every node's Tier-1 area, relaunches.
 
+With ``--no-spare`` (node failures) no replacement arrives: the job carries on
+on the surviving nodes with a smaller dp. Its restore reshards the state (the
+lost node's ranks from their Tier-2 replicas on the survivors, the others from
+Tier-1, nothing from Tier-3), and the job trains on to ``train.iters``.
+
 The relaunched job recovers (its ``restore()``) and trains on to ``train.iters``.
 The drill then reads each recovery record from the run's metrics.jsonl and
 checks it against what the class requires:
@@ -27,13 +32,19 @@ checks it against what the class requires:
             every other rank from Tier-1, zero bytes from Tier-3, at most two steps
             lost (one diff batch without diff.per_step);
   rack      every rank from Tier-3.
+  no spare  as node, old ranks counted on the nodes they ran on, and the
+            record must say what was resharded.
 
 With ``--compare`` it also runs the same job without a failure (in its own
 directories) and compares the final ``state_digest``: with lossless diffs
 (``checkpoint.diff.compression=fp32``) the two must be bit-identical; with lossy
 ones the report gives the final-loss difference instead. The exit status is 0
 when every check passed, 1 when recovery did not happen as the class requires
-(the report says which check failed), 2 for bad arguments.
+(the report says which check failed), 2 for bad arguments. Under ``--no-spare`` the
+relaunched job trains with another dp, so its final state cannot equal the
+fault-free run's; ``--compare`` then runs the fault-free job to the recovery
+point E and compares the layout-free canonical digest of the state there with
+the one the resharded restore recorded (bit-identical with lossless diffs).
 
 Which S to pick: the newest base a node failure can recover from Tier-2 is the
 newest whose replica finished its paced transfer (about 4/5 of a base interval
@@ -83,6 +94,7 @@ class Job:
     batch: int = 0
     compression: str = ""
     per_step: bool = True
+    decay_iters: int = 0  # the LR schedule's horizon (a reference run stopped early keeps it)
 
     @property
     def tier1_root(self) -> str:
@@ -109,22 +121,24 @@ def make_job(work: str, user_overrides: list[str], *, isolated: bool = False) ->
         raise SystemExit("failure_drill: the overrides turn checkpointing off (checkpoint.enabled=false); a drill "
                          "needs it on")
     return Job(work, overrides, c.job_id, c.local.root, cfg.logging.run_dir, cfg.train.iters, c.diff.batch,
-               c.diff.compression, c.diff.per_step)
+               c.diff.compression, c.diff.per_step, cfg.optim.decay_iters or cfg.train.iters)
 
 
-def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None) -> int:
-    """Run the job once on the simulated cluster; output goes to ``<work>/<log_name>.log``."""
+def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None, nodes: Optional[int] = None) -> int:
+    """Run the job once on the simulated cluster (``nodes``, default ``--nodes``); output goes to
+    ``<work>/<log_name>.log``."""
     log_path = os.path.join(job.work, f"{log_name}.log")
     script = [str(REPO / "pretrain_gpt.py"), *job.overrides]
+    nodes = nodes or args.nodes
     # Progress on stderr: the launches take minutes and their own output goes to the log.
-    print(f"failure_drill: {log_name} on {args.nodes} x {args.procs_per_node} processes (log {log_path})",
+    print(f"failure_drill: {log_name} on {nodes} x {args.procs_per_node} processes (log {log_path})",
           file=sys.stderr, flush=True)
     with open(log_path, "w") as log:
         saved = os.dup(1), os.dup(2)
         os.dup2(log.fileno(), 1)  # the agents inherit the drill's stdout/stderr
         os.dup2(log.fileno(), 2)
         try:
-            cluster = LocalCluster(args.nodes, args.procs_per_node, script, node_env=node_env)
+            cluster = LocalCluster(nodes, args.procs_per_node, script, node_env=node_env)
             cluster.start()
             return cluster.wait(fail_grace_s=args.fail_grace_s, timeout_s=args.timeout_s)
         finally:
@@ -210,7 +224,8 @@ def run_drill(args, job: Job) -> tuple[list[Recovery], list[dict], int]:
             return recoveries, read_metrics(job), status
         if k > 0:
             recoveries[k - 1].record = _recovery_record(read_metrics(job))
-    status = launch(args, job, f"launch{len(recoveries)}-finish")
+    survivors = args.nodes - len(victims(args)) if args.no_spare else args.nodes
+    status = launch(args, job, f"launch{len(recoveries)}-finish", nodes=survivors)
     final = read_metrics(job)
     recoveries[-1].record = _recovery_record(final)
     for rec in recoveries:
@@ -228,8 +243,14 @@ def _summary(records: list[dict]) -> dict:
     return found[-1] if found else {}
 
 
-def run_reference(args, job_overrides: list[str]) -> dict:
-    """The same job without a failure, in its own directories; returns its summary record."""
+def run_reference(args, job_overrides: list[str], stop_at: Optional[int] = None,
+                  decay_iters: Optional[int] = None) -> dict:
+    """The same job without a failure, in its own directories (``stop_at``: trained to that step only, with the
+    LR schedule of the full job); returns its summary record."""
+    if stop_at is not None:
+        keys = ("train.iters=", "optim.decay_iters=")
+        job_overrides = [o for o in job_overrides if not o.startswith(keys)]
+        job_overrides += [f"train.iters={stop_at}", f"optim.decay_iters={decay_iters}"]
     ref = make_job(os.path.join(args.work_dir, "reference"), job_overrides, isolated=True)
     os.makedirs(ref.work, exist_ok=True)
     status = launch(args, ref, "reference")
@@ -252,7 +273,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                             "(default: the last node)")
     p.add_argument("--corrupt", action="store_true", help="software failures: flip one byte of the victim node's "
                                                           "newest Tier-1 base before relaunching (checksum drill)")
-    p.add_argument("--compare", action="store_true", help="also run fault-free and compare the final state_digest")
+    p.add_argument("--no-spare", action="store_true", help="node failures: no replacement node; the job carries on "
+                                                            "on the survivors with a smaller dp (resharded restore)")
+    p.add_argument("--compare", action="store_true",
+                   help="also run fault-free and compare the final state_digest (with --no-spare: the canonical "
+                        "digest at the recovery point)")
     p.add_argument("--work-dir", default=None, help="directory for tiers, runs and logs (default: a new temp dir)")
     p.add_argument("--json", default=None, help="write the report's data here as JSON")
     p.add_argument("--timeout-s", type=float, default=900.0, help="limit for each launch of the job")
@@ -268,6 +293,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--victim {args.victim} is not a node index in [0, {args.nodes})")
     if args.fail == "node" and args.nodes < 2:
         p.error("a node failure needs --nodes >= 2: the lost node's replicas live on its ring peer")
+    if args.no_spare and (args.fail != "node" or len(args.at_step) != 1 or args.victim != args.nodes - 1):
+        p.error("--no-spare goes with --fail node, one --at-step and the last node as the victim (the survivors "
+                "keep their node names)")
     if args.corrupt and args.fail != "software":
         p.error("--corrupt goes with --fail software (node and rack failures wipe the Tier-1 copy anyway)")
     if len(set(args.at_step)) != len(args.at_step) or min(args.at_step) < 1:
@@ -291,21 +319,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     final = _summary(records)
     # A drill that already went wrong is reported as it is; a reference run would add nothing.
     drilled = not any(rec.problems for rec in recoveries)
-    reference = run_reference(args, args.overrides) if args.compare and drilled else None
+    reference = None
+    if args.compare and drilled:
+        stop_at = recoveries[0].record["end"] if args.no_spare else None
+        reference = run_reference(args, args.overrides, stop_at, job.decay_iters)
     problems = final_problems(args, job, recoveries, final, status, reference)
     stall = stall_summary(read_metrics(job, every_launch=True))
     print(format_report(args, job, recoveries, final, status, reference, problems, stall))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"ok": not problems, "problems": problems, "fail": args.fail, "at_steps": args.at_step,
-                       "nodes": args.nodes, "procs_per_node": args.procs_per_node, "work_dir": job.work,
+                       "nodes": args.nodes, "procs_per_node": args.procs_per_node, "no_spare": args.no_spare,
+                       "work_dir": job.work,
                        "run_dir": job.run_dir, "recoveries": [r.record for r in recoveries],
                        "notes": [n for r in recoveries for n in r.notes], "final_loss": final.get("loss"),
                        "final_digest": final.get("state_digest"),
                        "final_val_loss": final.get("val_loss"), "stall": stall,
                        "reference_loss": reference.get("loss") if reference else None,
                        "reference_val_loss": reference.get("val_loss") if reference else None,
-                       "reference_digest": reference.get("state_digest") if reference else None}, f, indent=1)
+                       "reference_digest": reference.get("state_digest") if reference else None,
+                       "reference_canonical_digest": reference.get("canonical_digest") if reference else None},
+                      f, indent=1)
     return 0 if not problems else 1
 
 

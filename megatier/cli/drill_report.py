@@ -40,6 +40,15 @@ def max_steps_lost(fail: str, job: Job) -> Optional[int]:
     return 1 if fail == "software" else 2
 
 
+def unit_nodes(args, record: dict) -> list[str]:
+    """The node each rank's units were written on, by the rank that wrote them: where it runs now, or after a
+    resharded restore (``rank_tiers`` then counts the old layout's ranks) where it ran before (torchrun
+    numbers ranks node by node)."""
+    if record.get("resharded"):
+        return [f"node{q // args.procs_per_node}" for q in range(len(record.get("rank_tiers") or []))]
+    return list(record.get("rank_nodes") or [])
+
+
 def check_recovery(args, job: Job, rec: Recovery) -> None:
     """Compare one recovery record with what its failure class requires; problems make the drill fail."""
     r = rec.record
@@ -48,8 +57,10 @@ def check_recovery(args, job: Job, rec: Recovery) -> None:
         return
     lost = rec.at_step - r["end"]
     r["steps_lost_drill"] = lost  # from the step the drill killed at (Tier-1 progress may be wiped)
-    tiers, nodes = r.get("rank_tiers") or [], r.get("rank_nodes") or []
+    tiers, nodes = r.get("rank_tiers") or [], unit_nodes(args, r)
     lost_nodes = {f"node{i}" for i in victims(args)}
+    if getattr(args, "no_spare", False) and not r.get("resharded"):
+        rec.problems.append("the job carried on without a spare node but its restore did not reshard")
     bound = max_steps_lost(args.fail, job)
     if bound is not None and lost > bound:
         rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a "
@@ -68,7 +79,8 @@ def check_recovery(args, job: Job, rec: Recovery) -> None:
         if node not in lost_nodes or args.fail == "software":
             if t != [TIER1]:
                 rec.problems.append(f"rank {q} on surviving {node} was served from {t}, not its own Tier-1")
-        elif TIER1 in t:
+        elif TIER1 in t and not getattr(args, "no_spare", False):
+            # (Without a spare, its replica on a survivor is read by a rank there: that node's own memory.)
             rec.problems.append(f"rank {q} on the replaced {node} was served from Tier-1, which was wiped")
         elif TIER3 in t:
             rec.notes.append(f"rank {q} read from {t}: the newest base's Tier-2 replica was still in transfer "
@@ -129,13 +141,18 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
         lines.append(f"  failure {i}: killed at step {rec.at_step} (launch exit {rec.crash_status})")
         if r is None:
             continue
-        sources = ", ".join(f"rank {q}@{node}: {'+'.join(t) or '-'}"
-                            for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], r.get("rank_nodes") or [])))
+        old = "old " if r.get("resharded") else ""
+        sources = ", ".join(f"{old}rank {q}@{node}: {'+'.join(t) or '-'}"
+                            for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], unit_nodes(args, r))))
         lines += [
             f"    class {r['failure_class']} (injected {args.fail}); base V={r['version']}, replayed to E={r['end']}, "
             f"steps lost {r.get('steps_lost_drill')}" + (f" (at most {bound})" if (bound := max_steps_lost(
                 args.fail, job)) is not None else ""),
             f"    source tier per rank: {sources}",
+            *([f"    resharded (tp,pp,dp) {r['resharded']}: carried on without a spare node (the lost node's ranks "
+               f"read from their replicas by ranks on the survivors: their own node's memory, so counted as tier1 "
+               f"and the class as seen by the readers); canonical digest at E {r.get('canonical_digest')}"]
+              if r.get("resharded") else []),
             f"    bases by tier: {r['source_tiers']}; bytes read tier1 {_mib(r['bytes_tier1'])}, tier2 "
             f"{_mib(r['bytes_tier2'])}, tier3 {_mib(r['bytes_tier3'])}",
             f"    t_consensus {r['t_consensus_s']:.3f} s, t_rollback {r['t_rollback_s']:.3f} s, t_replay "
@@ -146,7 +163,13 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
                      f"{_fmt(final.get('val_loss'))} state_digest {final.get('state_digest')} (exit {status})")
         lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
     lines += _stall_line(stall)
-    if reference is not None:
+    if reference is not None and getattr(args, "no_spare", False):
+        got = recoveries[0].record.get("canonical_digest") if recoveries[0].record else None
+        same = got == reference.get("canonical_digest")
+        lines.append(f"  compare: fault-free run to E={reference.get('step')}: canonical digest "
+                     f"{reference.get('canonical_digest')} -> {'bit-identical' if same else 'different'} to the "
+                     f"resharded restore's")
+    elif reference is not None:
         same = reference.get("state_digest") == final.get("state_digest")
         ref_loss = reference.get("loss", float("nan"))  # a reference that trained no step has none
         rel = abs(final.get("loss", 0.0) - ref_loss) / abs(ref_loss) if ref_loss else float("nan")
@@ -165,7 +188,12 @@ def final_problems(args, job: Job, recoveries: list[Recovery], final: dict, stat
     if status != 0 or final.get("step") != job.iters:
         problems.append(f"the recovered job did not finish: exit {status}, last summary step {final.get('step')} "
                         f"of {job.iters}; see the last launch log in {job.work}")
-    if reference is not None and final and job.compression == "fp32" and \
+    if reference is not None and getattr(args, "no_spare", False):
+        got = recoveries[0].record.get("canonical_digest") if recoveries[0].record else None
+        if job.compression == "fp32" and got != reference.get("canonical_digest"):
+            problems.append(f"with lossless diffs the resharded state at E must equal the fault-free run's there; "
+                            f"canonical digests {got} vs {reference.get('canonical_digest')}")
+    elif reference is not None and final and job.compression == "fp32" and \
             reference.get("state_digest") != final.get("state_digest"):
         problems.append("with lossless diffs (fp32) the recovered run must end bit-identical to the fault-free run; "
                         f"digests {final.get('state_digest')} vs {reference.get('state_digest')}")

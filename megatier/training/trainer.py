@@ -227,6 +227,9 @@ class Trainer:
         if self.checkpointer is None:
             return
         self.step, record = self.checkpointer.restore()
+        if record is not None and record.get("resharded"):
+            # The state just moved to another layout: its layout-free fingerprint, to compare with the old run's.
+            record["canonical_digest"] = self.canonical_digest()
         if record is not None:
             self.logger.log({"step": self.step, **record})
 

@@ -30,10 +30,12 @@ def _read_markers(store: ObjectStore, pid: PayloadId, world_size: int, listing: 
         except ObjectNotFound:
             return None  # deleted since the listing (reclaimed): not committable now
         s = m.stamp
-        if s.job_id != job_id or s.pid != pid or s.rank != r or s.layout.world_size != world_size:
+        if s.job_id != job_id or s.pid != pid or s.rank != r:
             raise CommitError(f"{store.describe(key)}: marker for {s.pid} of rank {s.rank} in job {s.job_id!r} "
-                              f"(world {s.layout.world_size}) does not belong to {pid} of rank {r} in job "
-                              f"{job_id!r} (world {world_size}); two jobs may share checkpoint.job_id")
+                              f"does not belong to {pid} of rank {r} in job {job_id!r}; two jobs may share "
+                              f"checkpoint.job_id")
+        if s.layout.world_size != world_size:
+            return None  # written by an earlier layout of this job (before a resharded restore): never ours
         if listing.get(m.key) != s.size:
             return None  # the object is missing or not the stamped size: never commit it
         markers.append(m)
@@ -70,7 +72,7 @@ class Committer:
             return None
         degrees = {m.stamp.layout.degrees for m in markers}
         if len(degrees) != 1:
-            raise CommitError(f"{self.store.describe(pid.dirname)}: ranks report different layouts {sorted(degrees)}")
+            return None  # markers of two layouts of this job (one reshard apart): no layout's unit is complete
         record = CommitRecord(pid, self.job_id, degrees.pop(), markers[0].incarnation, tuple(markers))
         self.fault_hook(CrashPoint.T3_BEFORE_COMMIT, pid.version)
         if self.store.put_if_absent(commit_key(pid), record.to_json()):

@@ -104,6 +104,7 @@ class Tier(abc.ABC):
     scope: str  # NODE | JOB
     lockstep: bool = False  # units arrive from the loop's thread in lockstep (see the module docstring)
     takes_steps: bool = False  # step units are put here too, not only bases and diff batches
+    saves: bool = True  # False: restore reads what an earlier launch left here, the save path puts nothing
 
     # ---- units -------------------------------------------------------------------------------
 

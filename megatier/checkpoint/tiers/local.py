@@ -16,7 +16,7 @@ degraded, and it is tried again with the next unit.
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError
@@ -54,15 +54,36 @@ def discard_area(memory: NodeMemory, end: int, *, replica: bool) -> list[str]:
     return gone
 
 
+def reclaim_orphans(memory: NodeMemory, *, replica: bool, keep: Callable[[int], bool], watermark: Optional[int],
+                    fault: FaultHook = no_faults) -> None:
+    """Delete what the watermark makes obsolete in the areas of owners that no longer write here (``keep(owner)``
+    False): ranks of an older, larger layout, or ring owners of an older ring, after a resharded restore. Nobody
+    else would ever delete them; run by one rank per node (the lister)."""
+    if watermark is None:
+        return
+    for owner in memory.owners(replica=replica):
+        if keep(owner):
+            continue
+        held = [e.pid for e in memory.entries(replica=replica, owner_rank=owner)]
+
+        def delete(pid: PayloadId, owner: int = owner) -> None:
+            memory.delete(owner, pid, replica=replica)
+
+        delete_units(local_reclaim_set(held, watermark), delete, fault=fault)
+
+
 class LocalTier(Tier):
     """Tier-1 of rank ``rank``: its own area in ``memory``, this node's."""
 
     label, scope, takes_steps = TIER1, NODE, True
 
     def __init__(self, memory: NodeMemory, rank: int, *, keep_bases: int = 2, budget_bytes: int = 0,
-                 fault: FaultHook = no_faults):
+                 fault: FaultHook = no_faults, world_size: Optional[int] = None):
         self.memory = memory
         self.rank = rank
+        # On the node's lister only: the job's world, whose ranks own areas; areas of ranks beyond it (an older,
+        # larger layout's) are reclaimed here.
+        self.world_size = world_size
         self.keep_bases, self.budget_bytes = keep_bases, budget_bytes
         self.fault = fault
         # Why the last write of each kind ("units", "progress") failed; a kind's next success clears it. The
@@ -160,6 +181,10 @@ class LocalTier(Tier):
             keep = 1  # over budget: only the newest base and its chain
         below = node_memory_floor(watermark, retention_floor(held, keep))
         delete_units(local_reclaim_set(held, below), lambda pid: self.delete(pid, self.rank), fault=self.fault)
+        if self.world_size is not None:
+            world = self.world_size
+            reclaim_orphans(self.memory, replica=False, keep=lambda o: o < world, watermark=watermark,
+                            fault=self.fault)
 
     def metrics(self) -> dict:
         return {"tier1_bytes": self.memory.bytes_held()}

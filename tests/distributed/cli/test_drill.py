@@ -154,6 +154,24 @@ def test_adaptive_compression_with_a_failure_every_100_steps_ends_within_1pct(tm
         (report["final_val_loss"], report["reference_val_loss"], chains)
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("nodes,procs,tp,batch", [(3, 1, 1, 12), (2, 2, 2, 4)], ids=["3x1-to-2x1", "2x2-to-1x2"])
+def test_node_lost_without_a_spare_carries_on_resharded(tmp_path, nodes, procs, tp, batch):
+    """Elastic continuation: the job relaunches on the survivors with a smaller dp; the lost node's ranks come
+    from their replicas on the survivors, nothing from Tier-3, and the state at E equals the fault-free run's
+    there (canonical digest: the layout changed)."""
+    overrides = [o for o in DRILL if not o.startswith(("parallel.tp=", "train.global_batch_size="))]
+    overrides += [f"parallel.tp={tp}", f"train.global_batch_size={batch}"]
+    report = drill(tmp_path, "--nodes", str(nodes), "--procs-per-node", str(procs), "--fail", "node",
+                   "--no-spare", "--at-step", "19", "--compare", overrides=overrides)
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["resharded"] == f"({tp},1,{nodes * procs // tp}) -> ({tp},1,{(nodes - 1) * procs // tp})"
+    assert rec["bytes_tier3"] == 0
+    assert rec["canonical_digest"] == report["reference_canonical_digest"]
+    assert rec["end"] >= 19 - 2
+
+
 def test_drill_refuses_bad_arguments(tmp_path):
     cmd = [sys.executable, str(REPO / "scripts" / "failure_drill.py"), "--fail", "node", "--nodes", "1",
            "--at-step", "3", "--", "model=tiny"]

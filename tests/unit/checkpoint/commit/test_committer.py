@@ -139,6 +139,17 @@ def test_marker_of_another_job_is_a_commit_error(tmp_path, upload_all):
         Committer(store, "another-job").try_commit(PayloadId.base(50), WORLD)
 
 
+def test_units_of_an_earlier_layout_of_the_job_are_left_alone(tmp_path, upload_all):
+    """After a resharded restore (world 4 -> 2), the old layout's uncommitted units are not this world's to
+    commit, and are no error either: the new coordinator skips them."""
+    store = DirectoryStore(str(tmp_path))
+    for u in upload_all(store, {r: [base(50, r)] for r in range(WORLD)}).values():
+        assert u.wait(timeout=20)
+    assert Committer(store, JOB).try_commit(PayloadId.base(50), 2) is None
+    assert Committer(store, JOB).commit_pending(2) == []
+    assert Committer(store, JOB).try_commit(PayloadId.base(50), WORLD) is not None  # the old world's own
+
+
 def test_a_concurrent_commit_wins(tmp_path, upload_all):
     store = DirectoryStore(str(tmp_path))
     pid = PayloadId.base(50)
