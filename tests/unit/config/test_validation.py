@@ -63,6 +63,19 @@ def test_world_size_must_fit_layout(compose_config):
     validate(cfg, world_size=8)
 
 
+@pytest.mark.parametrize("overrides, world, fields", [
+    (["parallel.tp=8"], 8, ["parallel.tp=8", "model.num_heads=4"]),  # heads not divisible by tp
+    (["parallel.pp=3"], 3, ["parallel.pp=3", "model.num_layers=2"]),  # fewer layers than stages
+    (["train.global_batch_size=4", "train.micro_batch_size=2"], 3, ["train.global_batch_size=4"]),  # dp=3
+])
+def test_a_relaunch_on_a_layout_that_cannot_hold_the_job_is_named(compose_config, overrides, world, fields):
+    """Resharding restores onto any layout, but only onto one that can hold the model and its batch."""
+    cfg = compose_config("model=tiny", *overrides)
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=world)
+    assert "\n" not in str(err.value) and all(f in str(err.value) for f in fields), str(err.value)
+
+
 def test_cli_bad_override_gives_one_line_reason(tmp_path):
     result = subprocess.run(
         [sys.executable, "pretrain_gpt.py", "model=tiny", "model.num_heads=5", f"logging.run_dir={tmp_path}"],
