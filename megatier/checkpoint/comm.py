@@ -53,6 +53,11 @@ class CheckpointComm(abc.ABC):
     def gather_ints(self, values: list[int], what: str = "a checkpoint collective") -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), in rank order, on every rank."""
 
+    def gather_ints_async(self, values: list[int], what: str = "a checkpoint collective") -> "PendingInts":
+        """Start :meth:`gather_ints`; its rows come from the returned handle's ``wait`` (every rank must start
+        the same gathers in the same order, and wait for each before a blocking collective of this comm)."""
+        return PendingInts(self.gather_ints(values, what))
+
     @abc.abstractmethod
     def send(self, data: Optional[bytes], dst: int) -> None:
         """Send ``data`` to ``dst`` (None: tell it there is nothing, e.g. a copy that failed its check)."""
@@ -64,6 +69,22 @@ class CheckpointComm(abc.ABC):
     @abc.abstractmethod
     def barrier(self, what: str = "a checkpoint barrier") -> None:
         """Wait until every rank got here."""
+
+
+class PendingInts:
+    """The handle of :meth:`CheckpointComm.gather_ints_async`: ``done()`` without blocking, ``wait()`` -> rows."""
+
+    def __init__(self, rows: Optional[list[list[int]]] = None, finish: Optional[Callable[[], list[list[int]]]] = None,
+                 done: Optional[Callable[[], bool]] = None):
+        self._rows, self._finish, self._done = rows, finish, done
+
+    def done(self) -> bool:
+        return self._rows is not None or (self._done is not None and self._done())
+
+    def wait(self) -> list[list[int]]:
+        if self._rows is None:
+            self._rows = self._finish()
+        return self._rows
 
 
 class GroupComm(CheckpointComm):
@@ -84,17 +105,27 @@ class GroupComm(CheckpointComm):
 
     def _collective(self, what: str, run: Callable[[], T]) -> T:
         """``run`` a collective, first marking this rank's arrival; on failure, name who never arrived."""
-        self._seq += 1
-        if self.board is not None:
-            self.board.set(self._key(self._seq, self.rank), b"1")
+        seq = self._arrive()
         try:
             out = run()
         except Exception as e:  # gloo's timeout, or the connection of a peer that died
-            raise CheckpointTimeout(f"{what} did not complete on rank {self.rank} within {self.timeout_s:g} s: "
-                                    f"{self._absent(self._seq)} ({type(e).__name__}: {e})") from e
-        if self.board is not None and self._seq > 1:
-            self.board.delete_key(self._key(self._seq - 1, self.rank))
+            raise self._timeout(what, seq, e) from e
+        self._left(seq)
         return out
+
+    def _arrive(self) -> int:
+        self._seq += 1
+        if self.board is not None:
+            self.board.set(self._key(self._seq, self.rank), b"1")
+        return self._seq
+
+    def _left(self, seq: int) -> None:
+        if self.board is not None and seq > 1:
+            self.board.delete_key(self._key(seq - 1, self.rank))
+
+    def _timeout(self, what: str, seq: int, e: Exception) -> CheckpointTimeout:
+        return CheckpointTimeout(f"{what} did not complete on rank {self.rank} within {self.timeout_s:g} s: "
+                                 f"{self._absent(seq)} ({type(e).__name__}: {e})")
 
     def _absent(self, seq: int) -> str:
         if self.board is None:
@@ -114,6 +145,26 @@ class GroupComm(CheckpointComm):
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         self._collective(what, lambda: dist.all_gather(rows, mine, group=self.control))
         return [row.tolist() for row in rows]
+
+    def gather_ints_async(self, values: list[int], what: str = "a checkpoint collective") -> PendingInts:
+        mine = torch.tensor(values, dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.world_size)]
+        seq = self._arrive()
+        try:
+            work = dist.all_gather(rows, mine, group=self.control, async_op=True)
+        except Exception as e:
+            raise self._timeout(what, seq, e) from e
+
+        def finish() -> list[list[int]]:
+            try:
+                if work.wait(timedelta(seconds=self.timeout_s)) is False:
+                    raise TimeoutError("no completion")
+            except Exception as e:
+                raise self._timeout(what, seq, e) from e
+            self._left(seq)
+            return [row.tolist() for row in rows]
+
+        return PendingInts(finish=finish, done=work.is_completed)
 
     def send(self, data: Optional[bytes], dst: int) -> None:
         header = torch.tensor([len(data) if data is not None else -1], dtype=torch.int64)

@@ -104,6 +104,7 @@ class CheckpointManager:
         saving = [t for t in ctx.tiers if t.saves]
         self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
+        self._syncs: list = []  # started watermark syncs not yet applied: (step, tiers, PendingInts)
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
@@ -227,12 +228,34 @@ class CheckpointManager:
     # ---- watermark, recovery points, reclamation ---------------------------------------------
 
     def _sync(self, step: int) -> None:
-        """One all-gather: every rank learns the watermark and every tier's recovery point."""
+        """Start this batch end's all-gather of the watermark and every tier's recovery point, and use the ones
+        that have completed.
+
+        The gather is not waited for here: a rank that reaches the batch end first would otherwise hold its
+        loop until the slowest rank arrives (10-80 ms on a loaded box). It completes while the ranks train, and
+        is read at the next batch end (or at once when it is already done, e.g. in a world of one), so the
+        watermark and the ``rpo_*`` metrics are at most one batch old. At most one gather is left running.
+        """
         tiers = [t for t in self.ctx.tiers if t.saves]  # a read-only tier has no recovery point of this run
         durable = max((b for t in tiers if (b := t.durable_base()) is not None), default=None)
         mine = [p if (p := t.point()) is not None else _NONE for t in tiers]
-        rows = self.ctx.comm.gather_ints(mine + [durable if durable is not None else _NONE],
-                                         what=f"the checkpoint watermark sync after step {step}")
+        pending = self.ctx.comm.gather_ints_async(mine + [durable if durable is not None else _NONE],
+                                                  what=f"the checkpoint watermark sync after step {step}")
+        self._syncs.append((step, tiers, pending))
+        self._absorb_syncs(block=False)
+        self._last["degraded"] = self._degraded()
+
+    def _absorb_syncs(self, block: bool) -> None:
+        """Apply the started syncs in order: the completed ones, any but the newest, and with ``block`` all."""
+        while self._syncs:
+            step, tiers, pending = self._syncs[0]
+            if not (block or len(self._syncs) > 1 or pending.done()):
+                return
+            rows = pending.wait()
+            self._syncs.pop(0)
+            self._apply_sync(step, tiers, rows)
+
+    def _apply_sync(self, step: int, tiers: list, rows: list[list[int]]) -> None:
         columns = {t.label: [row[i] for row in rows] for i, t in enumerate(tiers)}
         self._last = recovery_points(columns, step)
         for tier in tiers:
@@ -242,7 +265,6 @@ class CheckpointManager:
             self.watermark = committed
         # Node memory also keeps to its own retention while Tier-3 is behind; the save thread deletes.
         self.worker.submit_reclaim(self.watermark, self.ctx.tiers)
-        self._last["degraded"] = self._degraded()
 
     def _degraded(self) -> Optional[str]:
         """Tiers that cannot store what they are given, warned about once a minute while it lasts."""
@@ -271,6 +293,7 @@ class CheckpointManager:
         (:meth:`_final_status`), which says loudly when Tier-3 stayed behind.
         """
         timeout = timeout if timeout is not None else self.ctx.timeout_s
+        self._absorb_syncs(block=True)  # before any other collective of the comm
         self.worker.flush(timeout)
         # Same step on every rank, so the ring's final transfers pair up.
         self._hand_over(self._handoff)

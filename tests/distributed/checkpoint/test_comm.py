@@ -31,3 +31,35 @@ def test_a_stalled_rank_is_named_with_the_operation(tmp_path):
     results = run_world(_stalled, 3, tmp_path, timeout_s=30)
     for message in results[:2]:
         assert "the watermark sync after step 15" in message and "ranks [2] never reached it" in message, message
+
+
+def _async(rank: int) -> dict:
+    group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=3), backend="gloo")
+    comm = GroupComm(group, group, timeout_s=3)
+    comm.gather(rank, what="a first round")
+    if rank == 1:
+        time.sleep(1.0)  # arrives late: the others must not wait for it when they start the gather
+    t0 = time.perf_counter()
+    pending = comm.gather_ints_async([rank, 10 * rank], what="the watermark sync after step 5")
+    started_s = time.perf_counter() - t0
+    rows = pending.wait()
+    out = {"started_s": started_s, "rows": rows, "done": pending.done()}
+    if rank == 2:
+        time.sleep(8)  # never starts the next one in time
+        return out
+    pending = comm.gather_ints_async([rank], what="the watermark sync after step 10")
+    try:
+        pending.wait()
+        out["error"] = "no error"
+    except CheckpointTimeout as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_an_async_gather_does_not_wait_for_late_ranks_and_names_absent_ones(tmp_path):
+    results = run_world(_async, 3, tmp_path, timeout_s=30)
+    for res in results:
+        assert res["rows"] == [[0, 0], [1, 10], [2, 20]] and res["done"]
+    assert results[0]["started_s"] < 0.5 and results[2]["started_s"] < 0.5, results
+    for res in results[:2]:
+        assert "the watermark sync after step 10" in res["error"] and "ranks [2] never reached it" in res["error"]
