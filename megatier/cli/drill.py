@@ -5,9 +5,10 @@
 
 The job runs with all three checkpoint tiers (``checkpoint=tiered`` unless the
 overrides pick another checkpoint preset) on ``--nodes`` simulated nodes, one
-torchrun agent each (:mod:`megatier.cli.launch`), with its Tier-1 root,
-Tier-3 directory and run directory under ``--work-dir``. For each step S of
-``--at-step`` the drill:
+torchrun agent each (:mod:`megatier.cli.launch`), with its Tier-3 directory,
+run directory and logs under ``--work-dir`` and its node memory (Tier-1 and
+Tier-2) in /dev/shm as in a real run (:func:`node_memory_root`; freed when the
+drill exits). For each step S of ``--at-step`` the drill:
 
   software  arms the ``train.step_end`` crash point at S on the processes of one
             node (``--victim``, default the last): they SIGKILL themselves right after
@@ -55,6 +56,7 @@ it from there (the report says so).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -104,13 +106,25 @@ class Job:
         return os.path.join(self.tier1_root, node)
 
 
-def make_job(work: str, user_overrides: list[str], *, isolated: bool = False) -> Job:
+def node_memory_root(work: str) -> str:
+    """Where a drill keeps the job's node memory: in /dev/shm, as a real run does (node memory on a disk stalls
+    its writes, the ring's replicas too, behind page-cache writeback), one directory per work directory; under
+    the work directory where there is no writable /dev/shm."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        tag = hashlib.sha1(os.path.abspath(work).encode()).hexdigest()[:12]
+        return os.path.join(shm, "megatier-drill", tag)
+    return os.path.join(work, "shm")
+
+
+def make_job(work: str, user_overrides: list[str], *, isolated: bool = False, memory_root: Optional[str] = None) -> Job:
     """The job's overrides and the resolved config: the drill's directories first and the user's win, or with
     ``isolated`` (the fault-free reference) the drill's directories and job id last, so the reference never
-    shares a tier with the drilled run whatever the user overrides."""
+    shares a tier with the drilled run whatever the user overrides. Node memory goes to ``memory_root``
+    (default: under the work directory)."""
     from megatier.config import compose_config
 
-    ours = [f"checkpoint.local.root={work}/shm", f"checkpoint.remote.url={work}/remote",
+    ours = [f"checkpoint.local.root={memory_root or os.path.join(work, 'shm')}", f"checkpoint.remote.url={work}/remote",
             f"logging.run_dir={work}/run", f"checkpoint.job_id={'reference' if isolated else 'drill'}",
             "logging.progress=false"] + (["checkpoint.remote.endpoint_url=null"] if isolated else [])
     preset = [] if any(o.lstrip("+~").startswith("checkpoint=") for o in user_overrides) else ["checkpoint=tiered"]
@@ -251,7 +265,8 @@ def run_reference(args, job_overrides: list[str], stop_at: Optional[int] = None,
         keys = ("train.iters=", "optim.decay_iters=")
         job_overrides = [o for o in job_overrides if not o.startswith(keys)]
         job_overrides += [f"train.iters={stop_at}", f"optim.decay_iters={decay_iters}"]
-    ref = make_job(os.path.join(args.work_dir, "reference"), job_overrides, isolated=True)
+    work = os.path.join(args.work_dir, "reference")
+    ref = make_job(work, job_overrides, isolated=True, memory_root=node_memory_root(work))
     os.makedirs(ref.work, exist_ok=True)
     status = launch(args, ref, "reference")
     summary = _summary(read_metrics(ref))
@@ -307,7 +322,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="megatier_drill_"))
-    job = make_job(os.path.join(args.work_dir, "drill"), args.overrides)
+    work = os.path.join(args.work_dir, "drill")
+    job = make_job(work, args.overrides, memory_root=node_memory_root(work))
     if args.at_step[-1] >= job.iters:
         raise SystemExit(f"failure_drill: --at-step {args.at_step[-1]} must be below train.iters={job.iters}, "
                          f"so the job has steps left to finish after recovering")
@@ -315,6 +331,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         raise SystemExit(f"failure_drill: {job.work} is not empty; give a fresh --work-dir (the drill never "
                          f"reuses or deletes an earlier job's checkpoints)")
     os.makedirs(job.work, exist_ok=True)
+    try:
+        return _drill_and_report(args, job)
+    finally:  # node memory is RAM: give it back (the report, logs, metrics and Tier-3 stay in the work directory)
+        for root in {node_memory_root(job.work), node_memory_root(os.path.join(args.work_dir, "reference"))}:
+            if root.startswith("/dev/shm/"):
+                shutil.rmtree(root, ignore_errors=True)
+
+
+def _drill_and_report(args, job: Job) -> int:
+    ours = node_memory_root(job.work)
+    if job.local_root == ours and os.path.isdir(ours):  # left by an earlier drill in a work dir of the same path
+        shutil.rmtree(ours)
     recoveries, records, status = run_drill(args, job)
     final = _summary(records)
     # A drill that already went wrong is reported as it is; a reference run would add nothing.

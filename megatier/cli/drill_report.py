@@ -135,7 +135,8 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
     who = "every node" if args.fail == "rack" else f"node{args.victim}"
     lines = [f"failure drill: {args.fail} failure ({who}) at step(s) {', '.join(map(str, args.at_step))} on "
              f"{args.nodes} nodes x {args.procs_per_node} processes; job {job.job_id!r}, diff "
-             f"{job.compression} batch {job.batch}, {job.iters} steps; logs and tiers in {job.work}"]
+             f"{job.compression} batch {job.batch}, {job.iters} steps; logs and tiers in {job.work}"
+             + ("" if job.local_root.startswith(job.work) else f" (node memory in {job.local_root}, freed at exit)")]
     for i, rec in enumerate(recoveries, 1):
         r = rec.record
         lines.append(f"  failure {i}: killed at step {rec.at_step} (launch exit {rec.crash_status})")
