@@ -17,7 +17,9 @@ What and when (the tiers move the bytes, see :mod:`.tiers.base`):
   the step unit must not);
 - at the anchor (0 on a fresh start, E after a recovery) and every
   ``base_interval`` steps after it: a snapshot of the shard goes to the save
-  thread (base stream);
+  thread (base stream); with ``base_capture=spread`` the bases after the
+  anchor are copied in ``capture_steps`` parts over the steps ending at their
+  version and reconciled by replay (:mod:`.save.capture`);
 - the save thread puts each finished unit into the tiers that take units from
   it; a unit finished for step s is put into the lockstep tiers (Tier-2) at
   step s + 1 on every rank, so the ring's transfers pair up deterministically;
@@ -38,9 +40,10 @@ import time
 from typing import Optional, Union
 
 from megatier.checkpoint.context import CheckpointContext
-from megatier.checkpoint.format.payload import EncodedPayload, draft_diff_batch
+from megatier.checkpoint.format.payload import BaseState, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
 from megatier.checkpoint.recover.restore import restore as recover
+from megatier.checkpoint.save.capture import SpreadCapture
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
@@ -105,6 +108,7 @@ class CheckpointManager:
         self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
         self._syncs: list = []  # started watermark syncs not yet applied: (step, tiers, PendingInts)
+        self._capture: Optional[SpreadCapture] = None  # the spread base capture in progress
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
@@ -171,8 +175,9 @@ class CheckpointManager:
         elif self._step_tiers:
             self._save_step_unit(record)
         clock.lap("step_unit")
-        if since % self.cfg.base_interval == 0:
-            self.worker.submit_base(self.shard.capture_base(step))
+        base = self._capture_base(step, since)
+        if base is not None:
+            self.worker.submit_base(base)
             self._handoff.append(PayloadId.base(step))
         clock.lap("base_copy")
         self._hand_over(handoff)
@@ -186,6 +191,19 @@ class CheckpointManager:
             self._sync(step)
         clock.lap("sync")
         return self._metrics(clock.laps)
+
+    def _capture_base(self, step: int, since: int) -> Optional[BaseState]:
+        """The base of ``step`` when one is due: a snapshot, or the last part of a spread capture started
+        ``capture_steps - 1`` steps before (see :mod:`.save.capture`); None otherwise."""
+        k = self.cfg.capture_steps if self.cfg.base_capture == "spread" else 1
+        if k > 1 and (since + k - 1) % self.cfg.base_interval == 0:
+            self._capture = SpreadCapture(self.shard, step + k - 1, k)
+        if self._capture is not None:
+            base = self._capture.after_step(step)
+            if base is not None:
+                self._capture = None
+            return base
+        return self.shard.capture_base(step) if since % self.cfg.base_interval == 0 else None
 
     def _save_step_unit(self, record) -> None:
         """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
@@ -281,6 +299,7 @@ class CheckpointManager:
     def _metrics(self, laps: dict) -> dict:
         diff_total, base_total = self.worker.diff_bytes, self.worker.base_bytes
         out = {"diff_bytes": diff_total - self._reported["diff"], "base_bytes": base_total - self._reported["base"],
+               "ckpt_capture_bytes": self._capture.held_bytes if self._capture is not None else 0,
                "watermark": self.watermark, **{f"ckpt_{part}_ms": ms for part, ms in laps.items()}}
         self._reported = {"diff": diff_total, "base": base_total}
         out.update(self._last)

@@ -63,18 +63,24 @@ class ShardAccess:
     # ---- save side ------------------------------------------------------------------------
 
     def capture_base(self, version: int, snapshot: bool = True) -> BaseState:
-        """The shard at ``version``; ``snapshot`` copies the tensors so training may go on meanwhile.
+        """The shard at ``version``; ``snapshot`` copies the tensors so training may go on meanwhile."""
+        o = self.optimizer
+        take = (lambda t: t.detach().to("cpu", copy=True)) if snapshot else (lambda t: t.detach().cpu())
+        return self.base_of(version, {k: take(getattr(o, k)) for k in ("master", "exp_avg", "exp_avg_sq")})
+
+    def base_of(self, version: int, tensors: dict[str, torch.Tensor]) -> BaseState:
+        """The base of ``version`` from its state ``tensors`` (a snapshot, or parts reconciled to ``version``)
+        and the scalars the optimizer has now, which must be those of ``version``.
 
         A replay starts from a base, so the error feedback starts afresh at each one (see :meth:`compress`).
         """
         if self.residual is not None:
             self.residual.zero_()
         o = self.optimizer
-        take = (lambda t: t.detach().to("cpu", copy=True)) if snapshot else (lambda t: t.detach().cpu())
         scaler = o.scaler.state_dict() if o.scaler is not None else None
         return BaseState(
             version=version, adam_steps=o.adam_steps,
-            master=take(o.master), exp_avg=take(o.exp_avg), exp_avg_sq=take(o.exp_avg_sq),
+            master=tensors["master"], exp_avg=tensors["exp_avg"], exp_avg_sq=tensors["exp_avg_sq"],
             schedule=o.schedule.state_dict(), loss_scaler=scaler,
             data_position={"step": version, "consumed_samples": version * self.global_batch_size},
             rng={"torch_cpu": torch.get_rng_state()},

@@ -52,6 +52,9 @@ def _check_tiers(cfg: CheckpointConfig) -> None:
              "so add local")
 
 
+BASE_CAPTURES = ("snapshot", "spread")
+
+
 def _check_streams(cfg: CheckpointConfig) -> None:
     d = cfg.diff
     _require(cfg.base_interval > 0, f"checkpoint.base_interval={cfg.base_interval} must be positive")
@@ -66,6 +69,11 @@ def _check_streams(cfg: CheckpointConfig) -> None:
     _require(d.small_threshold >= 0, f"checkpoint.diff.small_threshold={d.small_threshold} must be >= 0")
     _require(cfg.peer.max_chunk_mib > 0, f"checkpoint.peer.max_chunk_mib={cfg.peer.max_chunk_mib} must be positive")
     _require(cfg.memory_budget_gib > 0, f"checkpoint.memory_budget_gib={cfg.memory_budget_gib} must be positive")
+    _require(cfg.base_capture in BASE_CAPTURES,
+             f"checkpoint.base_capture={cfg.base_capture!r} must be one of {', '.join(BASE_CAPTURES)}")
+    _require(1 <= cfg.capture_steps <= cfg.base_interval,
+             f"checkpoint.capture_steps={cfg.capture_steps} must be between 1 and checkpoint.base_interval="
+             f"{cfg.base_interval}: a spread base is captured over the steps that end at its version")
 
 
 def _nearest_existing(path: str) -> str:

@@ -173,6 +173,11 @@ class CheckpointConfig:
     tiers: list[str] = field(default_factory=lambda: ["local", "peer", "remote"])
     # Steps between base checkpoints; must be a multiple of diff.batch.
     base_interval: int = 50
+    # How a base leaves the optimizer: "snapshot" (the whole shard copied at the base step) or "spread"
+    # (capture_steps parts, one per step ending at the base step, reconciled by replay; see
+    # megatier.checkpoint.save.capture).
+    base_capture: str = "snapshot"
+    capture_steps: int = 4
     diff: DiffStreamConfig = field(default_factory=DiffStreamConfig)
     peer: PeerTierConfig = field(default_factory=PeerTierConfig)
     local: LocalTierConfig = field(default_factory=LocalTierConfig)

@@ -123,6 +123,17 @@ def test_rack_failure_recovers_from_tier3(tmp_path, drill_reference):
 
 
 @pytest.mark.timeout(600)
+def test_a_spread_base_recovers_bit_identical(tmp_path, drill_reference):
+    """Base 20 captured in 4 parts over steps 17-20 and reconciled by replay; a failure at 27 restores from it."""
+    report = drill(tmp_path, "--fail", "software", "--at-step", "27",
+                   overrides=[*DRILL, "checkpoint.base_capture=spread", "checkpoint.capture_steps=4"])
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["version"] == 20 and rec["bytes_tier3"] == 0
+    assert report["final_digest"] == drill_reference
+
+
+@pytest.mark.timeout(600)
 def test_flipped_byte_in_a_tier1_base_falls_through_and_stays_exact(tmp_path, drill_reference):
     report = drill(tmp_path, "--fail", "software", "--corrupt", "--at-step", "19")
     assert report["ok"], report["stdout"]

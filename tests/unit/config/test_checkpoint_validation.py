@@ -37,11 +37,12 @@ def test_schema_has_the_documented_keys_and_defaults():
         "local.budget_gib",
         "remote.url", "remote.endpoint_url",
         "remote.keep_bases", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
-        "memory_budget_gib", "allow_fresh_start", "allow_changes"}
+        "memory_budget_gib", "allow_fresh_start", "allow_changes", "base_capture", "capture_steps"}
     assert (cfg.base_interval, cfg.diff.batch, cfg.diff.compression, cfg.diff.topk_ratio) == (50, 5, "adaptive", 0.01)
     assert (cfg.diff.small_threshold, cfg.peer.max_chunk_mib, cfg.remote.keep_bases) == (100_000, 256, 2)
     assert cfg.local.root.startswith("/dev/shm/") and cfg.remote.url == "checkpoints"
     assert cfg.allow_fresh_start is False and cfg.remote.fsync is True
+    assert (cfg.base_capture, cfg.capture_steps) == ("snapshot", 4)
 
 
 def test_tiered_preset_composes_and_validates(compose_config, tmp_path):
@@ -78,6 +79,9 @@ def test_s3_url_with_endpoint_is_accepted(tmp_path):
     (["checkpoint.local.root={tmp}/a_file/shm"], ["checkpoint.local.root=", "a_file is not a writable directory"]),
     (["checkpoint.memory_budget_gib=0"], ["checkpoint.memory_budget_gib=0"]),
     (["checkpoint.peer.max_chunk_mib=0"], ["checkpoint.peer.max_chunk_mib=0"]),
+    (["checkpoint.base_capture=lazy"], ["checkpoint.base_capture='lazy'", "snapshot, spread"]),
+    (["checkpoint.capture_steps=60"], ["checkpoint.capture_steps=60", "checkpoint.base_interval=50"]),
+    (["checkpoint.capture_steps=0"], ["checkpoint.capture_steps=0"]),
 ])
 def test_invalid_combinations_name_the_field(compose_config, tmp_path, overrides, fields):
     (tmp_path / "a_file").write_text("not a directory")

@@ -1,0 +1,106 @@
+"""Spread base capture: a base copied in k parts over the k steps that end at its version, reconciled by replay.
+
+``checkpoint.base_capture=snapshot`` copies the whole optimizer shard (fp32
+master, exp_avg, exp_avg_sq: 12 bytes per parameter) in the loop at the base
+step. With ``spread`` and ``checkpoint.capture_steps`` = k (GoCkpt's
+multi-step capture, 004_*.txt section 3), the base of version B is copied in k
+contiguous parts of the flat shard, part j right after optimizer step
+B - k + 1 + j, so each step copies 1/k of it:
+
+    part j holds the state of its range at step s_j = B - k + 1 + j
+    steps s_j + 1 .. B then update that range in training; their exact gradient
+    slices (with lr, Adam step count, skipped flag) are kept for it
+    at step B (the last part), every earlier part is brought to version B with
+    ``adamw_replay``: the same kernel and per-element float operations as the
+    training step, so the assembled base is bitwise the snapshot at B
+
+The scalars (Adam step count, LR schedule, loss scaler, data position) are
+those of version B, taken with the last part. The base exists only once the
+last part is in: a failure inside the window leaves the previous base the
+newest one. Bytes held meanwhile: the parts copied so far plus the kept
+gradient slices (at most about 1.5 shards' worth of fp32 for any k).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from megatier import ops
+from megatier.checkpoint.format.payload import BaseState
+from megatier.checkpoint.shard import ShardAccess
+
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def part_bounds(numel: int, parts: int) -> list[tuple[int, int]]:
+    """``parts`` contiguous [start, end) ranges tiling [0, numel), as equal as integers allow."""
+    return [(numel * j // parts, numel * (j + 1) // parts) for j in range(parts)]
+
+
+def clip_ranges(ranges: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """(k, 2) [start, end) ranges cut to [lo, hi) and shifted to start at lo; empty ones dropped."""
+    out = [(max(a, lo) - lo, min(b, hi) - lo) for a, b in ranges.reshape(-1, 2).tolist() if min(b, hi) > max(a, lo)]
+    return torch.tensor(out, dtype=torch.int64).reshape(-1, 2)
+
+
+@dataclass
+class _Part:
+    lo: int
+    hi: int
+    state: dict[str, torch.Tensor]  # kind -> (hi - lo,) fp32, the range at the step it was copied
+    grads: list[Optional[torch.Tensor]] = field(default_factory=list)  # later steps' gradient slices (None: skipped)
+    steps: list[int] = field(default_factory=list)  # their Adam step counts
+    lrs: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+
+
+class SpreadCapture:
+    """One base of version ``version`` being captured over steps version - k + 1 .. version."""
+
+    def __init__(self, shard: ShardAccess, version: int, parts: int):
+        if parts < 1:
+            raise ValueError(f"a spread capture needs at least one part, got {parts}")
+        self.shard, self.version, self.k = shard, version, parts
+        self.first = version - parts + 1
+        self.bounds = part_bounds(shard.numel, parts)
+        self.parts: list[_Part] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Host bytes this capture holds: the parts copied so far and the gradient slices kept for them."""
+        state = sum(t.numel() * 4 for p in self.parts for t in p.state.values())
+        grads = sum(g.numel() * 4 for p in self.parts for g in p.grads if g is not None)
+        return state + grads
+
+    def after_step(self, step: int) -> Optional[BaseState]:
+        """Take part ``step - first`` (keeping this step's gradient for the parts already copied); at the last
+        step, the reconciled base of ``version``, else None."""
+        j = step - self.first
+        if not 0 <= j < self.k or j != len(self.parts):
+            raise ValueError(f"spread capture of base v{self.version} over steps {self.first}..{self.version} "
+                             f"got step {step} after {len(self.parts)} parts")
+        grad, lr, adam_step, skipped = self.shard.consumed()
+        for part in self.parts:
+            part.grads.append(None if skipped else grad[part.lo:part.hi].to("cpu", copy=True))
+            part.steps.append(adam_step)
+            part.lrs.append(lr)
+            part.skipped.append(skipped)
+        lo, hi = self.bounds[j]
+        o = self.shard.optimizer
+        self.parts.append(_Part(lo, hi, {k: getattr(o, k)[lo:hi].to("cpu", copy=True) for k in STATE}))
+        return self._reconcile() if j == self.k - 1 else None
+
+    def _reconcile(self) -> BaseState:
+        """Every part brought to ``version`` by replaying its kept steps, then the base assembled."""
+        o = self.shard.optimizer
+        c = o.cfg
+        for part in self.parts:
+            if part.steps:
+                ops.adamw_replay(part.state["master"], part.state["exp_avg"], part.state["exp_avg_sq"],
+                                 part.grads, part.steps, part.lrs, c.beta1, c.beta2, c.eps, c.weight_decay,
+                                 clip_ranges(o.decay_ranges, part.lo, part.hi), skipped=part.skipped)
+        tensors = {kind: torch.cat([p.state[kind] for p in self.parts]) for kind in STATE}
+        self.parts = []
+        return self.shard.base_of(self.version, tensors)

@@ -1,0 +1,106 @@
+"""Spread base capture: k parts over k steps, reconciled by replay, is bitwise the snapshot at the base step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatier.checkpoint.format.payload import decode_base
+from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.save.capture import SpreadCapture, clip_ranges, part_bounds
+from megatier.checkpoint.tiers.base import JOB as JOB_SCOPE
+from megatier.checkpoint.tiers.base import TIER1, TIER3
+from tests.unit.checkpoint.memory import JOB, MemoryTier, context, snapshot, step, tiny_shard
+
+pytestmark = pytest.mark.timeout(60)
+STATE = ("master", "exp_avg", "exp_avg_sq")
+
+
+def test_parts_tile_the_shard_and_decay_ranges_are_cut_to_them():
+    assert part_bounds(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert part_bounds(2, 3) == [(0, 0), (0, 1), (1, 2)]
+    ranges = torch.tensor([[0, 4], [6, 9]])
+    assert clip_ranges(ranges, 3, 7).tolist() == [[0, 1], [3, 4]]
+    assert clip_ranges(ranges, 4, 6).tolist() == []
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_spread_capture_is_bitwise_the_snapshot(k):
+    opt, shard = tiny_shard()
+    version = 12
+    capture = SpreadCapture(shard, version, k)
+    base = None
+    for s in range(1, version + 1):
+        step(opt, s)
+        if s >= version - k + 1:
+            base = capture.after_step(s)
+            assert (base is None) == (s < version)
+            if s < version:
+                assert capture.held_bytes > 0
+    want = snapshot(opt)
+    for kind in STATE:
+        assert torch.equal(getattr(base, kind), want[kind]), kind
+    assert base.version == version and base.adam_steps == want["adam_steps"]
+
+
+def test_a_skipped_step_inside_the_window_replays_as_skipped():
+    opt, shard = tiny_shard()
+    capture = SpreadCapture(shard, 6, 3)
+    for s in range(1, 7):
+        if s == 5:  # an fp16 overflow: nothing applied, the flag alone
+            opt.last_skipped = True
+        else:
+            step(opt, s)
+            opt.last_skipped = False
+        base = capture.after_step(s) if s >= 4 else None
+    want = snapshot(opt)
+    assert all(torch.equal(getattr(base, kind), want[kind]) for kind in STATE)
+
+
+def test_steps_must_come_in_order():
+    opt, shard = tiny_shard()
+    capture = SpreadCapture(shard, 6, 3)
+    step(opt, 1)
+    with pytest.raises(ValueError, match="got step 5"):
+        capture.after_step(5)
+
+
+def _bases(capture: str, crash_at: int = 0) -> tuple[list[MemoryTier], dict]:
+    """Run 20 steps (bases every 10, batches of 5) with ``checkpoint.base_capture``; the tiers and the snapshots."""
+    tiers = [MemoryTier(TIER1, takes_steps=True), MemoryTier(TIER3, scope=JOB_SCOPE)]
+    ctx = context(tiers, base_interval=10, batch=5)
+    ctx.cfg.base_capture, ctx.cfg.capture_steps = capture, 4
+    opt, shard = tiny_shard()
+    manager = CheckpointManager(ctx, shard, inline=True)
+    manager.restore()
+    snaps, metrics = {}, {}
+    for s in range(1, (crash_at or 20) + 1):
+        step(opt, s)
+        snaps[s] = snapshot(opt)
+        metrics[s] = manager.after_step(s)
+    if not crash_at:
+        manager.close()
+    return tiers, {"snaps": snaps, "metrics": metrics}
+
+
+def _base(tiers: list[MemoryTier], version: int):
+    payload = next(p for tier in tiers for (_, pid), p in tier.units.items() if pid == PayloadId.base(version))
+    return decode_base(payload, job_id=JOB, layout=payload.stamp.layout, source="test")
+
+
+def test_the_manager_publishes_spread_bases_bitwise_equal_to_snapshots():
+    spread, run = _bases("spread")
+    whole, _ = _bases("snapshot")
+    for version in (10, 20):
+        a, b = _base(spread, version), _base(whole, version)
+        for kind in STATE:
+            assert torch.equal(getattr(a, kind), getattr(b, kind)), (version, kind)
+        assert torch.equal(a.master, run["snaps"][version]["master"])
+    held = [run["metrics"][s]["ckpt_capture_bytes"] for s in range(1, 21)]
+    assert held[6:9] == sorted(held[6:9]) and held[6] > 0 and held[9] == 0  # steps 7-9 hold parts, 10 publishes
+
+
+def test_a_failure_inside_the_window_leaves_the_previous_base_the_newest():
+    tiers, _ = _bases("spread", crash_at=18)  # parts of base 20 taken at 17 and 18, then the process dies
+    versions = sorted(pid.version for _, pid in tiers[0].units if pid.kind == "base")
+    assert max(versions) == 10 and 20 not in versions
