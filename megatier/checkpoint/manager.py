@@ -43,7 +43,7 @@ from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import BaseState, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
 from megatier.checkpoint.recover.restore import restore as recover
-from megatier.checkpoint.save.capture import SpreadCapture
+from megatier.checkpoint.save.capture import Reconcile, SpreadCapture
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
@@ -192,9 +192,10 @@ class CheckpointManager:
         clock.lap("sync")
         return self._metrics(clock.laps)
 
-    def _capture_base(self, step: int, since: int) -> Optional[BaseState]:
-        """The base of ``step`` when one is due: a snapshot, or the last part of a spread capture started
-        ``capture_steps - 1`` steps before (see :mod:`.save.capture`); None otherwise."""
+    def _capture_base(self, step: int, since: int) -> Optional[Union[BaseState, Reconcile]]:
+        """The base of ``step`` when one is due: a snapshot, or the parts of a spread capture started
+        ``capture_steps - 1`` steps before, which the save thread reconciles (see :mod:`.save.capture`);
+        None otherwise."""
         k = self.cfg.capture_steps if self.cfg.base_capture == "spread" else 1
         if k > 1 and (since + k - 1) % self.cfg.base_interval == 0:
             self._capture = SpreadCapture(self.shard, step + k - 1, k)

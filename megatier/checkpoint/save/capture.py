@@ -12,7 +12,8 @@ B - k + 1 + j, so each step copies 1/k of it:
     slices (with lr, Adam step count, skipped flag) are kept for it
     at step B (the last part), every earlier part is brought to version B with
     ``adamw_replay``: the same kernel and per-element float operations as the
-    training step, so the assembled base is bitwise the snapshot at B
+    training step, so the assembled base is bitwise the snapshot at B; the
+    replay runs on the save thread (:class:`Reconcile`), not in the loop
 
 The scalars (Adam step count, LR schedule, loss scaler, data position) are
 those of version B, taken with the last part. The base exists only once the
@@ -74,9 +75,9 @@ class SpreadCapture:
         grads = sum(g.numel() * 4 for p in self.parts for g in p.grads if g is not None)
         return state + grads
 
-    def after_step(self, step: int) -> Optional[BaseState]:
+    def after_step(self, step: int) -> Optional["Reconcile"]:
         """Take part ``step - first`` (keeping this step's gradient for the parts already copied); at the last
-        step, the reconciled base of ``version``, else None."""
+        step, the base of ``version`` to reconcile (on the save thread: :meth:`Reconcile.result`), else None."""
         j = step - self.first
         if not 0 <= j < self.k or j != len(self.parts):
             raise ValueError(f"spread capture of base v{self.version} over steps {self.first}..{self.version} "
@@ -90,17 +91,36 @@ class SpreadCapture:
         lo, hi = self.bounds[j]
         o = self.shard.optimizer
         self.parts.append(_Part(lo, hi, {k: getattr(o, k)[lo:hi].to("cpu", copy=True) for k in STATE}))
-        return self._reconcile() if j == self.k - 1 else None
+        if j < self.k - 1:
+            return None
+        # The scalars (and the error-feedback reset) belong to this step; the replay can wait for the save thread.
+        empty = {k: torch.empty(0) for k in STATE}
+        parts, self.parts = self.parts, []
+        return Reconcile(self.shard.base_of(self.version, empty), parts, o.cfg, o.decay_ranges.clone())
 
-    def _reconcile(self) -> BaseState:
-        """Every part brought to ``version`` by replaying its kept steps, then the base assembled."""
-        o = self.shard.optimizer
-        c = o.cfg
+
+@dataclass
+class Reconcile:
+    """A spread base whose earlier parts still have to be brought to its version: done by :meth:`result`, off the
+    training loop (the save thread calls it before serializing)."""
+
+    base: BaseState  # the scalars of the version; its state tensors are filled in by result()
+    parts: list[_Part]
+    optim: object  # OptimConfig: beta1, beta2, eps, weight_decay
+    decay_ranges: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * 4 for p in self.parts for t in p.state.values())
+
+    def result(self) -> BaseState:
+        c = self.optim
         for part in self.parts:
             if part.steps:
                 ops.adamw_replay(part.state["master"], part.state["exp_avg"], part.state["exp_avg_sq"],
                                  part.grads, part.steps, part.lrs, c.beta1, c.beta2, c.eps, c.weight_decay,
-                                 clip_ranges(o.decay_ranges, part.lo, part.hi), skipped=part.skipped)
-        tensors = {kind: torch.cat([p.state[kind] for p in self.parts]) for kind in STATE}
+                                 clip_ranges(self.decay_ranges, part.lo, part.hi), skipped=part.skipped)
+        for kind in STATE:
+            setattr(self.base, kind, torch.cat([p.state[kind] for p in self.parts]))
         self.parts = []
-        return self.shard.base_of(self.version, tensors)
+        return self.base

@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import threading
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from megatier.checkpoint.format.payload import (
     BaseState,
@@ -41,6 +41,7 @@ from megatier.checkpoint.format.payload import (
     draft_diff_batch,
 )
 from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.save.capture import Reconcile
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import Tier
 from megatier.parallel.layout import Layout
@@ -90,8 +91,12 @@ class SaveWorker:
             self.diff_bytes += nbytes
         self._put(_DiffJob(record, close_batch), nbytes)
 
-    def submit_base(self, state: BaseState) -> None:
-        self._put(state, 3 * state.master.numel() * state.master.element_size())
+    def submit_base(self, state: Union[BaseState, Reconcile]) -> None:
+        """A base to serialize: a snapshot, or a spread capture's parts that this thread reconciles first."""
+        if isinstance(state, Reconcile):
+            self._put(state, state.nbytes)
+        else:
+            self._put(state, 3 * state.master.numel() * state.master.element_size())
 
     def submit_reclaim(self, watermark: Optional[int], tiers: Sequence[Tier]) -> None:
         """Have ``tiers`` reclaim what is behind ``watermark`` once everything submitted before is stored.
@@ -190,7 +195,9 @@ class SaveWorker:
         batch, self._open = self._open, []
         return draft_diff_batch(batch, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
-    def _base(self, state: BaseState) -> PayloadDraft:
+    def _base(self, state: Union[BaseState, Reconcile]) -> PayloadDraft:
+        if isinstance(state, Reconcile):
+            state = state.result()
         return draft_base(state, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
     def _store(self, draft: PayloadDraft) -> EncodedPayload:
