@@ -29,9 +29,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
-from megatier.checkpoint.format.chain import chain_to, reachable, replay_ends
-from megatier.checkpoint.format.units import BASE, PayloadId
-from megatier.checkpoint.recover.consensus import Consensus, decide
+from megatier.checkpoint.format.chain import reachable, replay_ends
+from megatier.checkpoint.format.units import BASE
+from megatier.checkpoint.recover.consensus import Consensus, by_layout, consensus_at, decide, held_per_rank
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.reshard import OldShard
 from megatier.checkpoint.shard import ShardAccess
@@ -56,45 +56,14 @@ def step_ranges(steps: Iterable[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def _by_layout(copies: Iterable[Copy], job_id: str) -> dict[Degrees, list[Copy]]:
-    """This job's copies grouped by the layout (tp, pp, dp) that wrote them; ranks outside it dropped."""
-    out: dict[Degrees, list[Copy]] = {}
-    for c in copies:
-        degrees = c.stamp.layout.degrees
-        if c.stamp.job_id == job_id and 0 <= c.owner < math.prod(degrees):
-            out.setdefault(degrees, []).append(c)
-    return out
-
-
-def _per_rank(copies: list[Copy], world: int) -> tuple[list[set[int]], list[set[PayloadId]]]:
-    """(base versions, diff and step units) held for each rank 0..world-1."""
-    bases: list[set[int]] = [set() for _ in range(world)]
-    diffs: list[set[PayloadId]] = [set() for _ in range(world)]
-    for c in copies:
-        (bases[c.owner].add(c.pid.version) if c.pid.kind == BASE else diffs[c.owner].add(c.pid))
-    return bases, diffs
-
-
 def reachable_points(copies: Iterable[Copy], job_id: str) -> dict[Degrees, dict[int, set[int]]]:
     """Layout -> {base V that every rank of it holds: the steps every rank reaches from V}."""
     out: dict[Degrees, dict[int, set[int]]] = {}
-    for degrees, usable in _by_layout(copies, job_id).items():
-        bases, diffs = _per_rank(usable, math.prod(degrees))
+    for degrees, usable in by_layout(copies, job_id)[0].items():
+        bases, diffs = held_per_rank(usable, math.prod(degrees))
         out[degrees] = {v: set.intersection(*(set(reachable(v, d)) for d in diffs))
                         for v in set.intersection(*bases)}
     return out
-
-
-def _consensus_at(usable: list[Copy], degrees: Degrees, version: int, end: int) -> Consensus:
-    """Every rank's chain from base ``version`` to step ``end`` (reachable by all) and the copies of its units."""
-    world = math.prod(degrees)
-    _, diffs = _per_rank(usable, world)
-    chains = {r: chain_to(reachable(version, diffs[r]), version, end) for r in range(world)}
-    copies: dict[tuple[int, PayloadId], list[Copy]] = {(r, pid): [] for r, ch in chains.items() for pid in ch}
-    for c in usable:
-        if (c.owner, c.pid) in copies:
-            copies[(c.owner, c.pid)].append(c)
-    return Consensus(version, end, chains, copies, degrees=degrees)
 
 
 def _no_point(holdings: Holdings, job_id: str) -> ExportError:
@@ -102,8 +71,8 @@ def _no_point(holdings: Holdings, job_id: str) -> ExportError:
         return ExportError(f"no checkpoints of job {job_id!r} in {' or '.join(holdings.looked) or 'any tier'}; "
                            f"check --job-id, --local-root, --remote-url and --tier")
     found = []
-    for degrees, usable in sorted(_by_layout(holdings.copies, job_id).items()):
-        bases, _ = _per_rank(usable, math.prod(degrees))
+    for degrees, usable in sorted(by_layout(holdings.copies, job_id)[0].items()):
+        bases, _ = held_per_rank(usable, math.prod(degrees))
         found.append(f"{layout_str(degrees)}: bases per rank {[sorted(b) for b in bases]}")
     return ExportError(f"job {job_id!r} has no recovery point: no layout has a base that every one of its ranks "
                        f"holds ({'; '.join(found) or 'no complete unit'}) in {' or '.join(holdings.looked)}")
@@ -135,7 +104,7 @@ def choose_point(holdings: Holdings, job_id: str, step: Optional[int]) -> Consen
     if not candidates:
         raise _unreachable(holdings, job_id, step, points)
     version, degrees = max(candidates)  # the newest base: the shortest replay
-    return _consensus_at(_by_layout(holdings.copies, job_id)[degrees], degrees, version, step)
+    return consensus_at(by_layout(holdings.copies, job_id)[0][degrees], degrees, version, step)
 
 
 def _section(cls, prefix: str, fingerprint: dict, fp_id: str):

@@ -135,9 +135,13 @@ def positions(segments: Sequence[ShardSegment], tp_rank: int, tp: int) -> dict[s
 
     Dense over the full tensor, so a sender can cut exactly what this shard needs from any piece.
     """
+    return _positions(segments, [full_index(seg, tp_rank, tp) for seg in segments])
+
+
+def _positions(segments: Sequence[ShardSegment], indices: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """:func:`positions` from each segment's :func:`full_index`."""
     out: dict[str, torch.Tensor] = {}
-    for seg in segments:
-        index = full_index(seg, tp_rank, tp)
+    for seg, index in zip(segments, indices):
         keep = index >= 0
         pos = out.setdefault(canonical_name(seg.name),
                              torch.full((math.prod(seg.full_shape),), -1, dtype=torch.int64))
@@ -163,7 +167,8 @@ def place(pieces: Sequence[Piece], segments: Sequence[ShardSegment], tp_rank: in
     covered exactly once (padding elements stay zero). Elements the shard does not hold are ignored."""
     out = {k: torch.zeros(shard_size, dtype=torch.float32) for k in STATE_KINDS}
     hits = torch.zeros(shard_size, dtype=torch.int32)
-    where = positions(segments, tp_rank, tp)
+    indices = [full_index(seg, tp_rank, tp) for seg in segments]
+    where = _positions(segments, indices)
     shapes = {canonical_name(s.name): tuple(s.full_shape) for s in segments}
     for p in pieces:
         if p.name in shapes and p.full_shape != shapes[p.name]:
@@ -177,8 +182,7 @@ def place(pieces: Sequence[Piece], segments: Sequence[ShardSegment], tp_rank: in
         for k in STATE_KINDS:
             out[k][at] = p.values[k][keep].float()
         hits.index_add_(0, at, torch.ones_like(at, dtype=torch.int32))
-    for seg in segments:
-        index = full_index(seg, tp_rank, tp)
+    for seg, index in zip(segments, indices):
         held = hits[seg.shard_offset:seg.shard_offset + seg.numel][index >= 0]
         if not bool((held == 1).all()):
             missing, doubled = int((held == 0).sum()), int((held > 1).sum())

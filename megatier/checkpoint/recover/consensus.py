@@ -114,9 +114,9 @@ def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, config: Config
         f"with the job id it was written with, or use a new checkpoint.job_id")
 
 
-def _missing_message(bases: dict[int, set[int]], world_size: int, looked: str) -> str:
+def _missing_message(bases: list[set[int]], world_size: int, looked: str) -> str:
     none = [r for r in range(world_size) if not bases[r]]
-    newest = max((v for vs in bases.values() for v in vs), default=None)
+    newest = max((v for vs in bases for v in vs), default=None)
     parts = []
     if none:
         parts.append(f"ranks {none} have no base in any tier")
@@ -129,51 +129,57 @@ def _missing_message(bases: dict[int, set[int]], world_size: int, looked: str) -
             f"start from random weights; set checkpoint.allow_fresh_start=true to start from scratch anyway")
 
 
-def _sort_usable(copies: list[Copy], job_id: str, config: ConfigCheck
-                 ) -> tuple[dict[tuple[int, int, int], list[Copy]], list[tuple[Copy, str]]]:
-    """This job's copies by the layout (degrees) that wrote them, and the foreign ones with why."""
-    by_layout: dict[tuple[int, int, int], list[Copy]] = {}
+def by_layout(copies: Iterable[Copy], job_id: str, config: Optional[ConfigCheck] = None
+              ) -> tuple[dict[tuple[int, int, int], list[Copy]], list[tuple[Copy, str]]]:
+    """This job's copies by the layout (degrees) that wrote them, and the foreign ones with why (another job, a
+    configuration ``config`` refuses, a rank outside its layout's world)."""
+    config = config or ConfigCheck("")
+    grouped: dict[tuple[int, int, int], list[Copy]] = {}
     foreign = []
     for c in copies:
         reason = _foreign_reason(c, job_id, config)
         degrees = c.stamp.layout.degrees
         world = math.prod(degrees)
         if reason is None and 0 <= c.owner < world:
-            by_layout.setdefault(degrees, []).append(c)
+            grouped.setdefault(degrees, []).append(c)
         else:
             foreign.append((c, reason or f"rank {c.owner} outside world {world}"))
-    return by_layout, foreign
+    return grouped, foreign
 
 
-def _bases(usable: list[Copy], world_size: int) -> dict[int, set[int]]:
-    bases: dict[int, set[int]] = {r: set() for r in range(world_size)}
+def held_per_rank(usable: Iterable[Copy], world_size: int) -> tuple[list[set[int]], list[set[PayloadId]]]:
+    """(base versions, diff batches and step units) held for each rank 0..world_size-1 of one layout."""
+    bases: list[set[int]] = [set() for _ in range(world_size)]
+    diffs: list[set[PayloadId]] = [set() for _ in range(world_size)]
     for c in usable:
         if c.pid.kind == BASE:
             bases[c.owner].add(c.pid.version)
-    return bases
-
-
-def _agree_within(usable: list[Copy], degrees: tuple[int, int, int]) -> Optional[Consensus]:
-    """V, E and the chains among copies of one layout, or None when no base is common to all its ranks."""
-    world_size = math.prod(degrees)
-    bases = _bases(usable, world_size)
-    diffs: dict[int, set[PayloadId]] = {r: set() for r in range(world_size)}
-    for c in usable:
-        if c.pid.kind != BASE:
+        else:
             diffs[c.owner].add(c.pid)
-    common = set.intersection(*bases.values())
-    if not common:
-        return None
-    version = max(common)
-    reach = {r: reachable(version, diffs[r]) for r in range(world_size)}
-    end = max(set.intersection(*(set(x) for x in reach.values())))
-    chains = {r: chain_to(reach[r], version, end) for r in range(world_size)}
-    needed = {(r, pid) for r, chain in chains.items() for pid in chain}
-    by_unit: dict[tuple[int, PayloadId], list[Copy]] = {key: [] for key in needed}
+    return bases, diffs
+
+
+def consensus_at(usable: list[Copy], degrees: tuple[int, int, int], version: int, end: int) -> Consensus:
+    """Every rank's chain from base ``version`` to step ``end`` (which every rank must reach) and the usable
+    copies of each of its units."""
+    _, diffs = held_per_rank(usable, math.prod(degrees))
+    chains = {r: chain_to(reachable(version, d), version, end) for r, d in enumerate(diffs)}
+    by_unit: dict[tuple[int, PayloadId], list[Copy]] = {(r, pid): [] for r, ch in chains.items() for pid in ch}
     for c in usable:
         if (c.owner, c.pid) in by_unit:
             by_unit[(c.owner, c.pid)].append(c)
     return Consensus(version, end, chains, by_unit, degrees=degrees)
+
+
+def _agree_within(usable: list[Copy], degrees: tuple[int, int, int]) -> Optional[Consensus]:
+    """V, E and the chains among copies of one layout, or None when no base is common to all its ranks."""
+    bases, diffs = held_per_rank(usable, math.prod(degrees))
+    common = set.intersection(*bases)
+    if not common:
+        return None
+    version = max(common)
+    end = max(set.intersection(*(set(reachable(version, d)) for d in diffs)))
+    return consensus_at(usable, degrees, version, end)
 
 
 def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], traces: bool, allow_fresh_start: bool,
@@ -191,13 +197,14 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
     if not traces:
         return None
     config = config or ConfigCheck("")
-    by_layout, foreign = _sort_usable(copies, job_id, config)
-    agreed = [c for d, usable in by_layout.items() if (c := _agree_within(usable, d)) is not None]
+    grouped, foreign = by_layout(copies, job_id, config)
+    agreed = [c for d, usable in grouped.items() if (c := _agree_within(usable, d)) is not None]
     if not agreed:
         if foreign:
             raise _refuse_foreign(foreign, job_id, config)
-        shown = degrees if degrees in by_layout or not by_layout else max(by_layout, key=lambda d: len(by_layout[d]))
-        message = _missing_message(_bases(by_layout.get(shown, []), math.prod(shown)), math.prod(shown), looked)
+        shown = degrees if degrees in grouped or not grouped else max(grouped, key=lambda d: len(grouped[d]))
+        bases, _ = held_per_rank(grouped.get(shown, []), math.prod(shown))
+        message = _missing_message(bases, math.prod(shown), looked)
         if allow_fresh_start:
             log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
             return None
