@@ -30,6 +30,10 @@ INSTALL_REQUIRES = [
     "boto3>=1.28",
     "tqdm>=4.60",
     "tokenizers>=0.15",
+    # the Checkflow capture schedule (scipy.optimize.milp, HiGHS)
+    "scipy>=1.9",
+    # megatier-plot
+    "matplotlib>=3.6",
 ]
 
 EXTRAS = {
