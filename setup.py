@@ -119,6 +119,7 @@ setup(
         "megatier-drill=megatier.cli.drill:main",
         "megatier-inspect=megatier.cli.inspect:main",
         "megatier-launch=megatier.cli.launch:main",
+        "megatier-plot=megatier.cli.plot:main",
         "megatier-preprocess=megatier.cli.preprocess:main",
         "megatier-topology=megatier.cli.topology:main",
     ]},

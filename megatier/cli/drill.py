@@ -46,6 +46,9 @@ relaunched job trains with another dp, so its final state cannot equal the
 fault-free run's; ``--compare`` then runs the fault-free job to the recovery
 point E and compares the layout-free canonical digest of the state there with
 the one the resharded restore recorded (bit-identical with lossless diffs).
+At the end the drill draws the run's pictures next to its metrics (the
+figures of ``megatier-plot``: loss with the failures marked, stall, recovery
+points, tier bytes).
 
 Which S to pick: the newest base a node failure can recover from Tier-2 is the
 newest whose replica finished its paced transfer (about 4/5 of a base interval
@@ -79,6 +82,8 @@ from megatier.cli.drill_report import (
 from megatier.cli.launch import LocalCluster
 from megatier.config import split_overrides
 from megatier.faults import CrashPoint
+from megatier.observe.plot import write_plots
+from megatier.observe.run_history import MetricsMissing
 
 REPO = Path(__file__).resolve().parents[2]  # pretrain_gpt.py lives at the repository root
 
@@ -339,6 +344,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 shutil.rmtree(root, ignore_errors=True)
 
 
+def plot_run(run_dir: str) -> list[str]:
+    """The drill's pictures (megatier-plot's figures) next to its metrics; the files written."""
+    try:
+        written = list(write_plots(run_dir).written)
+    except MetricsMissing as err:
+        written, where = [], f"none: {err}"
+    else:
+        where = f"{', '.join(os.path.basename(p) for p in written)} in {run_dir}"
+    print(f"failure_drill: plots {where}", file=sys.stderr, flush=True)
+    return written
+
+
 def _drill_and_report(args, job: Job) -> int:
     ours = node_memory_root(job.work)
     if job.local_root == ours and os.path.isdir(ours):  # left by an earlier drill in a work dir of the same path
@@ -353,6 +370,7 @@ def _drill_and_report(args, job: Job) -> int:
         reference = run_reference(args, args.overrides, stop_at, job.decay_iters)
     problems = final_problems(args, job, recoveries, final, status, reference)
     stall = stall_summary(read_metrics(job, every_launch=True))
+    plots = plot_run(job.run_dir)
     print(format_report(args, job, recoveries, final, status, reference, problems, stall))
     if args.json:
         with open(args.json, "w") as f:
@@ -362,7 +380,7 @@ def _drill_and_report(args, job: Job) -> int:
                        "run_dir": job.run_dir, "recoveries": [r.record for r in recoveries],
                        "notes": [n for r in recoveries for n in r.notes], "final_loss": final.get("loss"),
                        "final_digest": final.get("state_digest"),
-                       "final_val_loss": final.get("val_loss"), "stall": stall,
+                       "final_val_loss": final.get("val_loss"), "stall": stall, "plots": plots,
                        "reference_loss": reference.get("loss") if reference else None,
                        "reference_val_loss": reference.get("val_loss") if reference else None,
                        "reference_digest": reference.get("state_digest") if reference else None,

@@ -96,6 +96,11 @@ def test_software_failure_recovers_from_tier1_only(tmp_path, drill_reference):
     assert rec["bytes_tier2"] == rec["bytes_tier3"] == 0 < rec["bytes_tier1"]
     assert 19 - rec["end"] <= 5 and rec["steps_lost"] == 19 - rec["end"]
     assert report["final_digest"] == drill_reference
+    # The drill's pictures lie next to its metrics (megatier-plot's figures of every launch).
+    pictures = {os.path.basename(p): os.path.getsize(p) for p in report["plots"]}
+    assert {"loss.png", "step_time.png", "recovery_points.png", "tier_bytes.png"} <= pictures.keys(), pictures
+    assert all(size > 10_000 for size in pictures.values())
+    assert all(os.path.dirname(p) == report["run_dir"] for p in report["plots"])
 
 
 @pytest.mark.timeout(600)
