@@ -7,6 +7,9 @@
 Step s (1-based) reads global batch s, runs forward/backward over its
 micro-batches and applies optimizer step s; afterwards the state is "version s".
 
+Global rank 0 also keeps the job's goodput ledger (:mod:`megatier.observe.goodput`) in the run
+directory: reconciled after restore, updated every step, its fields in every step record and the summary.
+
 Checkpointing plugs in through a :class:`~megatier.checkpoint.checkpointer.Checkpointer`
 (None when disabled): ``Trainer(cfg, checkpointer=factory)`` builds it from the
 model and optimizer with the given factory, else with ``build_checkpointer``
@@ -24,7 +27,7 @@ from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
 from megatier.config import Config, effective_checkpoint_config, validate
-from megatier.config.fingerprint import state_fingerprint
+from megatier.config.fingerprint import fingerprint_hash, state_fingerprint
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
@@ -32,6 +35,7 @@ from megatier.faults import CrashPoint, FaultInjector
 from megatier.interop.gpt2 import load_gpt2
 from megatier.model.gpt import GPTStage, StageSpec, init_weights, load_full_state, stage_layers
 from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
+from megatier.observe.goodput import GoodputLedger, NullLedger
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.canonical import ShardState
@@ -58,6 +62,7 @@ def _pick_device(name: str) -> torch.device:
 class Trainer:
     def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None):
         self.cfg = cfg
+        started = time.time()  # the launch holds its machines from here on (goodput's wall time)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size)  # every group, before any side effect
         self.device = _pick_device(cfg.train.device)
@@ -76,6 +81,7 @@ class Trainer:
         self._build_optimizer()
         self.step = 0
         self.logger = self._build_logger()
+        self.goodput = self._build_ledger(started)
         self.fault = FaultInjector.from_env(self.ps.rank)
         self.checkpointer = self._build_checkpointer(checkpointer)
 
@@ -161,6 +167,12 @@ class Trainer:
             f.write(OmegaConf.to_yaml(resolved))
         return MetricsLogger(self.cfg.logging, run_dir, resolved, total_steps=self.cfg.train.iters)
 
+    def _build_ledger(self, started: float):
+        if self.ps.rank != 0:
+            return NullLedger()
+        fingerprint = fingerprint_hash(state_fingerprint(self.cfg, self.data_checksum))
+        return GoodputLedger.open(self.cfg.logging.run_dir, self.cfg.checkpoint.job_id, fingerprint, started=started)
+
     # ---- one step -----------------------------------------------------------------------------
 
     def _microbatches(self, batches):
@@ -223,15 +235,17 @@ class Trainer:
     # ---- the loop -----------------------------------------------------------------------------
 
     def restore(self) -> None:
-        """Let the checkpointer recover the newest consistent state; logs its recovery record."""
-        if self.checkpointer is None:
-            return
-        self.step, record = self.checkpointer.restore()
+        """Let the checkpointer recover the newest consistent state; logs its recovery record and reconciles the
+        goodput ledger with the step training goes on from (steps an earlier launch made past it are lost)."""
+        record = None
+        if self.checkpointer is not None:
+            self.step, record = self.checkpointer.restore()
         if record is not None and record.get("resharded"):
             # The state just moved to another layout: its layout-free fingerprint, to compare with the old run's.
             record["canonical_digest"] = self.canonical_digest()
         if record is not None:
             self.logger.log({"step": self.step, **record})
+        self.goodput.resume(self.step, record)
 
     def train(self) -> None:
         t = self.cfg.train
@@ -246,9 +260,11 @@ class Trainer:
                 record.update(self.checkpointer.after_step(step))
                 record["ckpt_stall_ms"] = 1000.0 * (time.perf_counter() - start)
             if step % t.eval_interval == 0 or step == t.iters:
+                start = time.perf_counter()
                 val = self.evaluate()
                 if val is not None:
-                    record["val_loss"] = val
+                    record.update(val_loss=val, eval_time_s=time.perf_counter() - start)
+            record.update(self.goodput.step(record))  # persisted before the record is logged
             self.logger.log(record)
             self.logger.progress(step, record["loss"], record["tokens_per_s"])
             self.last_record = record
@@ -270,13 +286,16 @@ class Trainer:
 
     def close(self) -> dict:
         """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups."""
+        start = time.perf_counter()
         status = self.checkpointer.close() if self.checkpointer is not None else None
+        drain_s = time.perf_counter() - start
         digest = self.state_digest()
         summary = {"step": self.step, "event": "summary", "state_digest": digest,
                    "canonical_digest": self.canonical_digest(), **(status or {})}
         last = getattr(self, "last_record", None)
         if last is not None:
             summary.update(loss=last["loss"], val_loss=last.get("val_loss"))
+        summary.update(self.goodput.close(drain_s))
         self.logger.summary(summary)
         self.logger.close()
         self.grads.remove_hooks()
