@@ -58,4 +58,4 @@ def build_checkpointer(cfg: CheckpointConfig, state: TrainState, *, timeout_s: f
     """The tiered checkpointer of ``cfg`` for this rank (collective: every rank calls it); see build_context."""
     ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store,
                         fingerprint=state.fingerprint)
-    return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size))
+    return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size), model=state.model)

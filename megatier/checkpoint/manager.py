@@ -19,7 +19,8 @@ What and when (the tiers move the bytes, see :mod:`.tiers.base`):
   ``base_interval`` steps after it: a snapshot of the shard goes to the save
   thread (base stream); with ``base_capture=spread`` the bases after the
   anchor are copied in ``capture_steps`` parts over the steps ending at their
-  version and reconciled by replay (:mod:`.save.capture`);
+  version and reconciled by replay, the parts placed into the next step's
+  operations by a Checkflow schedule (:mod:`.save.base_capture`);
 - the save thread puts each finished unit into the tiers that take units from
   it; a unit finished for step s is put into the lockstep tiers (Tier-2) at
   step s + 1 on every rank, so the ring's transfers pair up deterministically;
@@ -39,11 +40,13 @@ import logging
 import time
 from typing import Optional, Union
 
+from torch import nn
+
 from megatier.checkpoint.context import CheckpointContext
-from megatier.checkpoint.format.payload import BaseState, EncodedPayload, draft_diff_batch
+from megatier.checkpoint.format.payload import EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
 from megatier.checkpoint.recover.restore import restore as recover
-from megatier.checkpoint.save.capture import Reconcile, SpreadCapture
+from megatier.checkpoint.save.base_capture import BaseCapturer
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
@@ -96,7 +99,8 @@ class _PhaseClock:
 class CheckpointManager:
     """Decides what to save and when; one per rank, driven by the training loop in lockstep."""
 
-    def __init__(self, ctx: CheckpointContext, shard: ShardAccess, *, inline: bool = False):
+    def __init__(self, ctx: CheckpointContext, shard: ShardAccess, *, model: Optional[nn.Module] = None,
+                 inline: bool = False):
         self.ctx = ctx
         self.cfg = ctx.cfg
         self.shard = shard
@@ -108,7 +112,7 @@ class CheckpointManager:
         self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
         self._syncs: list = []  # started watermark syncs not yet applied: (step, tiers, PendingInts)
-        self._capture: Optional[SpreadCapture] = None  # the spread base capture in progress
+        self.capture = BaseCapturer(self.cfg, shard, model, rank=ctx.rank)  # ``model``: for the capture schedule
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
@@ -136,7 +140,7 @@ class CheckpointManager:
         self._repair(record["quarantined"] if record else [])
         # Re-base at the resume point: every tier gets a fresh anchor (a replaced node's
         # Tier-1 is empty), and the diff batches that follow are aligned to it.
-        self.anchor = start
+        self.anchor = self.capture.anchor = start
         self.worker.submit_base(self.shard.capture_base(start))
         self._handoff = [PayloadId.base(start)]
         self._step = start
@@ -175,10 +179,10 @@ class CheckpointManager:
         elif self._step_tiers:
             self._save_step_unit(record)
         clock.lap("step_unit")
-        base = self._capture_base(step, since)
+        base = self.capture.after_step(step)
         if base is not None:
             self.worker.submit_base(base)
-            self._handoff.append(PayloadId.base(step))
+            self._handoff.append(PayloadId.base(base.version))
         clock.lap("base_copy")
         self._hand_over(handoff)
         clock.lap("handover")
@@ -191,20 +195,6 @@ class CheckpointManager:
             self._sync(step)
         clock.lap("sync")
         return self._metrics(clock.laps)
-
-    def _capture_base(self, step: int, since: int) -> Optional[Union[BaseState, Reconcile]]:
-        """The base of ``step`` when one is due: a snapshot, or the parts of a spread capture started
-        ``capture_steps - 1`` steps before, which the save thread reconciles (see :mod:`.save.capture`);
-        None otherwise."""
-        k = self.cfg.capture_steps if self.cfg.base_capture == "spread" else 1
-        if k > 1 and (since + k - 1) % self.cfg.base_interval == 0:
-            self._capture = SpreadCapture(self.shard, step + k - 1, k)
-        if self._capture is not None:
-            base = self._capture.after_step(step)
-            if base is not None:
-                self._capture = None
-            return base
-        return self.shard.capture_base(step) if since % self.cfg.base_interval == 0 else None
 
     def _save_step_unit(self, record) -> None:
         """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
@@ -300,10 +290,10 @@ class CheckpointManager:
     def _metrics(self, laps: dict) -> dict:
         diff_total, base_total = self.worker.diff_bytes, self.worker.base_bytes
         out = {"diff_bytes": diff_total - self._reported["diff"], "base_bytes": base_total - self._reported["base"],
-               "ckpt_capture_bytes": self._capture.held_bytes if self._capture is not None else 0,
                "watermark": self.watermark, **{f"ckpt_{part}_ms": ms for part, ms in laps.items()}}
         self._reported = {"diff": diff_total, "base": base_total}
         out.update(self._last)
+        out.update(self.capture.metrics())
         return out
 
     def close(self, timeout: Optional[float] = None) -> dict:
@@ -314,6 +304,11 @@ class CheckpointManager:
         """
         timeout = timeout if timeout is not None else self.ctx.timeout_s
         self._absorb_syncs(block=True)  # before any other collective of the comm
+        base = self.capture.flush()
+        if base is not None:
+            self.worker.submit_base(base)
+            self._handoff.append(PayloadId.base(base.version))
+        self.capture.close()
         self.worker.flush(timeout)
         # Same step on every rank, so the ring's final transfers pair up.
         self._hand_over(self._handoff)

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 HELPER_NICENESS = 5
 
 
-def _demote_current_thread() -> None:
+def demote_current_thread() -> None:
     ops.limit_thread_parallelism(1)
     try:
         # On Linux the nice value is a property of each thread (tid), not of the whole process.
@@ -45,7 +45,7 @@ def helper_thread(target: Callable[[], None], name: str) -> threading.Thread:
     """A daemon thread (not yet started) that demotes itself, then runs ``target``."""
 
     def run() -> None:
-        _demote_current_thread()
+        demote_current_thread()
         target()
 
     return threading.Thread(target=run, name=name, daemon=True)

@@ -53,6 +53,7 @@ def _check_tiers(cfg: CheckpointConfig) -> None:
 
 
 BASE_CAPTURES = ("snapshot", "spread")
+CAPTURE_SCHEDULES = ("checkflow", "none")
 
 
 def _check_streams(cfg: CheckpointConfig) -> None:
@@ -71,6 +72,8 @@ def _check_streams(cfg: CheckpointConfig) -> None:
     _require(cfg.memory_budget_gib > 0, f"checkpoint.memory_budget_gib={cfg.memory_budget_gib} must be positive")
     _require(cfg.base_capture in BASE_CAPTURES,
              f"checkpoint.base_capture={cfg.base_capture!r} must be one of {', '.join(BASE_CAPTURES)}")
+    _require(cfg.capture_schedule in CAPTURE_SCHEDULES,
+             f"checkpoint.capture_schedule={cfg.capture_schedule!r} must be one of {', '.join(CAPTURE_SCHEDULES)}")
     _require(1 <= cfg.capture_steps <= cfg.base_interval,
              f"checkpoint.capture_steps={cfg.capture_steps} must be between 1 and checkpoint.base_interval="
              f"{cfg.base_interval}: a spread base is captured over the steps that end at its version")

@@ -178,6 +178,9 @@ class CheckpointConfig:
     # megatier.checkpoint.save.capture).
     base_capture: str = "snapshot"
     capture_steps: int = 4
+    # With spread: "checkflow" copies each part during the next step's operations, as a schedule solved once
+    # from a profiled step places them (megatier.checkpoint.save.schedule); "none" copies it at the end of its step.
+    capture_schedule: str = "checkflow"
     diff: DiffStreamConfig = field(default_factory=DiffStreamConfig)
     peer: PeerTierConfig = field(default_factory=PeerTierConfig)
     local: LocalTierConfig = field(default_factory=LocalTierConfig)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,6 +60,17 @@ class DistributedAdamW:
         self.last_grad = torch.zeros_like(self.master)
         self.last_lr = 0.0
         self.last_skipped = False
+        self._pre_step_hooks: list[Callable[[int], None]] = []
+
+    def register_pre_step_hook(self, hook: Callable[[int], None]) -> None:
+        """``hook(iteration)`` runs at the start of every :meth:`step`, before the state changes (the spread
+        base capture finishes its copies there)."""
+        self._pre_step_hooks.append(hook)
+
+    def before_update(self, iteration: int) -> None:
+        """Run the pre-step hooks: the last moment the state is still that of the previous step."""
+        for hook in self._pre_step_hooks:
+            hook(iteration)
 
     def _global_sumsq(self, grad: torch.Tensor) -> float:
         # Squares of every gradient element counted exactly once over all ranks.
@@ -71,6 +82,7 @@ class DistributedAdamW:
 
     def step(self, iteration: int) -> StepStats:
         """Apply optimizer step for training iteration ``iteration`` (1-based; it picks the lr)."""
+        self.before_update(iteration)
         grad = self.grads.reduce_scatter_mean(self.dp_rank)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if scale != 1.0:

@@ -24,12 +24,13 @@ gradient slices (at most about 1.5 shards' worth of fp32 for any k).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatier import ops
 from megatier.checkpoint.format.payload import BaseState
+from megatier.checkpoint.save.step_ops import ScheduledCopy
 from megatier.checkpoint.shard import ShardAccess
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
@@ -58,45 +59,89 @@ class _Part:
 
 
 class SpreadCapture:
-    """One base of version ``version`` being captured over steps version - k + 1 .. version."""
+    """One base of version ``version`` being captured over steps version - k + 1 .. version.
 
-    def __init__(self, shard: ShardAccess, version: int, parts: int):
+    ``schedule_part(lo, hi)``, when given, returns a :class:`~.step_ops.ScheduledCopy` of the range that the
+    *next* step copies during its operations (the state does not change before that step's update): part j
+    then holds version ``first + j`` and is complete at the following after_step, and the base one step after
+    its version. Without it each part is copied at once, at the end of its step.
+    """
+
+    def __init__(self, shard: ShardAccess, version: int, parts: int,
+                 schedule_part: Optional[Callable[[int, int], ScheduledCopy]] = None):
         if parts < 1:
             raise ValueError(f"a spread capture needs at least one part, got {parts}")
         self.shard, self.version, self.k = shard, version, parts
         self.first = version - parts + 1
         self.bounds = part_bounds(shard.numel, parts)
         self.parts: list[_Part] = []
+        self._schedule_part = schedule_part
+        self._pending: Optional[tuple[int, int, ScheduledCopy]] = None  # (lo, hi, its copy) during this step
+        self._scalars: Optional[BaseState] = None
+
+    @property
+    def scheduled(self) -> bool:
+        return self._schedule_part is not None
 
     @property
     def held_bytes(self) -> int:
-        """Host bytes this capture holds: the parts copied so far and the gradient slices kept for them."""
+        """Host bytes this capture holds: the parts copied so far (or being copied) and the kept gradient slices."""
         state = sum(t.numel() * 4 for p in self.parts for t in p.state.values())
         grads = sum(g.numel() * 4 for p in self.parts for g in p.grads if g is not None)
-        return state + grads
+        pending = 3 * 4 * (self._pending[1] - self._pending[0]) if self._pending is not None else 0
+        return state + grads + pending
 
     def after_step(self, step: int) -> Optional["Reconcile"]:
-        """Take part ``step - first`` (keeping this step's gradient for the parts already copied); at the last
-        step, the base of ``version`` to reconcile (on the save thread: :meth:`Reconcile.result`), else None."""
-        j = step - self.first
-        if not 0 <= j < self.k or j != len(self.parts):
+        """Account for optimizer step ``step``: complete the part its operations copied, keep its gradient for
+        the parts holding earlier versions, take (or schedule) part ``step - first``; the base to reconcile (on
+        the save thread: :meth:`Reconcile.result`) once every part is in, else None."""
+        if self._pending is not None:
+            self._complete_pending(step)
+        if step <= self.version:
+            grad, lr, adam_step, skipped = self.shard.consumed()
+            for part in self.parts:  # every part here holds a version before ``step``
+                part.grads.append(None if skipped else grad[part.lo:part.hi].to("cpu", copy=True))
+                part.steps.append(adam_step)
+                part.lrs.append(lr)
+                part.skipped.append(skipped)
+        if self.first <= step <= self.version:
+            self._take_part(step - self.first)
+        if step == self.version:  # the scalars (and the error-feedback reset) belong to this step
+            self._scalars = self.shard.base_of(self.version, {k: torch.empty(0) for k in STATE})
+        return self._result()
+
+    def flush(self) -> Optional["Reconcile"]:
+        """At exit: copy a scheduled part now (no update has run since its step); the base if that completes it."""
+        if self._pending is not None:
+            self._pending[2].finish()
+            self._complete_pending(None)
+        return self._result()
+
+    def _take_part(self, j: int) -> None:
+        if j != len(self.parts):
             raise ValueError(f"spread capture of base v{self.version} over steps {self.first}..{self.version} "
-                             f"got step {step} after {len(self.parts)} parts")
-        grad, lr, adam_step, skipped = self.shard.consumed()
-        for part in self.parts:
-            part.grads.append(None if skipped else grad[part.lo:part.hi].to("cpu", copy=True))
-            part.steps.append(adam_step)
-            part.lrs.append(lr)
-            part.skipped.append(skipped)
+                             f"got step {self.first + j} after {len(self.parts)} parts")
         lo, hi = self.bounds[j]
+        if self._schedule_part is not None:
+            self._pending = (lo, hi, self._schedule_part(lo, hi))
+            return
         o = self.shard.optimizer
         self.parts.append(_Part(lo, hi, {k: getattr(o, k)[lo:hi].to("cpu", copy=True) for k in STATE}))
-        if j < self.k - 1:
+
+    def _complete_pending(self, step: Optional[int]) -> None:
+        lo, hi, copy = self._pending
+        if not copy.done:
+            raise RuntimeError(f"spread capture of base v{self.version}: the part [{lo}, {hi}) scheduled for step "
+                               f"{step} was not copied before its update")
+        self.parts.append(_Part(lo, hi, copy.destination))
+        self._pending = None
+
+    def _result(self) -> Optional["Reconcile"]:
+        if len(self.parts) < self.k or self._scalars is None:
             return None
-        # The scalars (and the error-feedback reset) belong to this step; the replay can wait for the save thread.
-        empty = {k: torch.empty(0) for k in STATE}
+        o = self.shard.optimizer
         parts, self.parts = self.parts, []
-        return Reconcile(self.shard.base_of(self.version, empty), parts, o.cfg, o.decay_ranges.clone())
+        return Reconcile(self._scalars, parts, o.cfg, o.decay_ranges.clone())
 
 
 @dataclass
@@ -108,6 +153,10 @@ class Reconcile:
     parts: list[_Part]
     optim: object  # OptimConfig: beta1, beta2, eps, weight_decay
     decay_ranges: torch.Tensor
+
+    @property
+    def version(self) -> int:
+        return self.base.version
 
     @property
     def nbytes(self) -> int:

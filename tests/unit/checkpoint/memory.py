@@ -133,6 +133,7 @@ def tiny_shard(iters: int = 40) -> tuple[DistributedAdamW, ShardAccess]:
 def step(opt: DistributedAdamW, s: int) -> None:
     """Optimizer step ``s`` with a fixed pseudo-random gradient, exposing what a real step exposes."""
     grad = torch.randn(opt.master.shape, generator=torch.Generator().manual_seed(1000 + s))
+    opt.before_update(s)
     c = opt.cfg
     opt.last_grad, opt.last_lr, opt.last_skipped = grad, opt.schedule(s), False
     opt.adam_steps += 1

@@ -1,0 +1,134 @@
+"""BaseCapturer: when and how this rank's bases leave the optimizer (``checkpoint.base_capture``).
+
+* ``snapshot``: the whole shard copied in the loop at each base step (the reference);
+* ``spread``: copied in ``capture_steps`` parts over the steps ending at the
+  base's version, reconciled by replay on the save thread (:mod:`.capture`);
+* ``spread`` with ``capture_schedule=checkflow``: one step (the second after
+  the anchor) is profiled into operations (:mod:`.step_ops`), the copy
+  bandwidth measured, and a schedule solved once (:mod:`.schedule`); each
+  part is then copied during the next step's operations, off the training
+  thread, and the base is complete one step after its version. When no
+  schedule exists (before the profile, or the solver found none) parts are
+  copied at the end of their step.
+
+Bases are at the anchor (a snapshot, taken by the manager) and every
+``base_interval`` steps after it; a capture never overlaps the next one
+(``capture_steps <= base_interval``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+from torch import nn
+
+from megatier.checkpoint.format.payload import BaseState
+from megatier.checkpoint.save.capture import STATE, Reconcile, SpreadCapture, part_bounds
+from megatier.checkpoint.save.schedule import CaptureSchedule, plan
+from megatier.checkpoint.save.step_ops import Copier, Profiler, ScheduledCopy, StepOps, copy_bandwidth
+from megatier.checkpoint.shard import ShardAccess
+from megatier.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+BYTES_PER_ELEMENT = 4 * len(STATE)  # fp32 master, exp_avg, exp_avg_sq
+
+
+class BaseCapturer:
+    """The base capture of one rank; the manager calls :meth:`after_step` once per step."""
+
+    def __init__(self, cfg: CheckpointConfig, shard: ShardAccess, model: Optional[nn.Module], *, rank: int):
+        self.cfg, self.shard, self.rank = cfg, shard, rank
+        self.anchor = 0
+        self.schedule: Optional[CaptureSchedule] = None
+        self._capture: Optional[SpreadCapture] = None
+        self._report: dict = {}
+        scheduled = cfg.base_capture == "spread" and cfg.capture_schedule == "checkflow" and model is not None
+        self._device = shard.optimizer.master.device
+        self._ops = StepOps(model, shard.optimizer) if scheduled else None
+        self._copier = Copier(self._device) if scheduled else None
+        self._profiler: Optional[Profiler] = None
+        self._planned = not scheduled
+
+    @property
+    def held_bytes(self) -> int:
+        return self._capture.held_bytes if self._capture is not None else 0
+
+    def after_step(self, step: int) -> Optional[Union[BaseState, Reconcile]]:
+        """The base to hand to the save thread after optimizer step ``step`` (a snapshot, or a spread capture's
+        parts to reconcile), or None; also steps the profile and the capture in progress."""
+        self._report = {}
+        if self._ops is not None:
+            self._ops.listener = None
+        self._plan(step)
+        since = step - self.anchor
+        if self.cfg.base_capture != "spread":
+            return self._handed(self.shard.capture_base(step), "snapshot") if since % self.cfg.base_interval == 0 \
+                else None
+        base, how = None, "spread"
+        if self._capture is not None:
+            how = "scheduled" if self._capture.scheduled else "spread"
+            base = self._capture.after_step(step)
+            if base is not None:
+                self._capture = None
+        k = self.cfg.capture_steps
+        if (since + k - 1) % self.cfg.base_interval == 0:
+            scheduler = self._schedule_part if self.schedule is not None else None
+            self._capture = SpreadCapture(self.shard, step + k - 1, k, scheduler)
+            first = self._capture.after_step(step)  # part 0; a base already when k = 1 and it is copied now
+            if first is not None:
+                base, how, self._capture = first, "spread", None
+        return self._handed(base, how)
+
+    def flush(self) -> Optional[Reconcile]:
+        """At exit: a capture whose version was reached but whose last part was to be copied by the next step."""
+        base = self._capture.flush() if self._capture is not None else None
+        self._capture = None
+        return base
+
+    def metrics(self) -> dict:
+        return {"ckpt_capture_bytes": self.held_bytes, **self._report}
+
+    def close(self) -> None:
+        if self._ops is not None:
+            self._ops.close()
+        if self._copier is not None:
+            self._copier.close()
+
+    # ---- internals -----------------------------------------------------------------------------
+
+    def _handed(self, base, how: str):
+        if base is not None:
+            self._report.update(base_capture=how, base_capture_version=base.version)
+        return base
+
+    def _schedule_part(self, lo: int, hi: int) -> ScheduledCopy:
+        o = self.shard.optimizer
+        copy = ScheduledCopy({k: getattr(o, k)[lo:hi] for k in STATE}, self.schedule, self._copier)
+        self._ops.listener = copy
+        return copy
+
+    def _plan(self, step: int) -> None:
+        """Profile the second step after the anchor (the first pays warm-up), then solve the schedule once."""
+        if self._planned:
+            return
+        if self._profiler is None:
+            if step > self.anchor:
+                self._profiler = Profiler(self._device)
+                self._ops.listener = self._profiler
+            return
+        profile = self._profiler.profile
+        if profile is None:
+            return
+        self._planned = True
+        part = max(hi - lo for lo, hi in part_bounds(self.shard.numel, self.cfg.capture_steps))
+        bandwidth = copy_bandwidth(self._device, self._copier)
+        self.schedule = plan(profile, part, BYTES_PER_ELEMENT, bandwidth, held_on_device=self._device.type != "cuda")
+        if self.schedule is None:
+            line = (f"capture schedule: none fits ({len(profile.names)} ops in {profile.step_seconds * 1e3:.1f} ms, "
+                    f"{part * BYTES_PER_ELEMENT / 2**20:.1f} MiB per part at {bandwidth / 2**30:.1f} GiB/s): each "
+                    f"part is copied at the end of its step")
+        else:
+            line = self.schedule.describe(profile, BYTES_PER_ELEMENT)
+        self._report["base_capture_schedule"] = line.splitlines()[0]
+        if self.rank == 0:
+            log.info("%s", line)
