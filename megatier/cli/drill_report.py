@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from megatier.checkpoint.tiers.base import TIER1, TIER3
+from megatier.observe.goodput import PARTS
 
 if TYPE_CHECKING:
     from megatier.cli.drill import Job
@@ -129,6 +130,27 @@ def _stall_line(stall: Optional[dict]) -> list[str]:
             f" of a step"]
 
 
+def goodput_fields(summary: dict) -> Optional[dict]:
+    """``goodput`` and its ``goodput_*`` parts from the job's summary record (the ledger's totals over every
+    launch, :mod:`megatier.observe.goodput`), or None when the run logged none."""
+    fields = {k: v for k, v in summary.items() if k == "goodput" or k.startswith("goodput_")}
+    return fields if "goodput_wall_s" in fields else None
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.2f} s" if x >= 1 else f"{x:.3f} s"
+
+
+def _goodput_line(summary: dict) -> list[str]:
+    g = goodput_fields(summary)
+    if g is None:
+        return []
+    n = g.get("goodput_steps_lost", 0)
+    lost = f" ({n} step{'' if n == 1 else 's'})"
+    parts = ", ".join(f"{p} {_seconds(g[f'goodput_{p}_s'])}" + (lost if p == "lost" else "") for p in PARTS)
+    return [f"  goodput: {100 * g['goodput']:.1f}% of {_seconds(g['goodput_wall_s'])} held over every launch: {parts}"]
+
+
 def format_report(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
                   reference: Optional[dict], problems: list[str], stall: Optional[dict] = None) -> str:
     """The human-readable drill report."""
@@ -164,6 +186,7 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
                      f"{_fmt(final.get('val_loss'))} state_digest {final.get('state_digest')} (exit {status})")
         lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
     lines += _stall_line(stall)
+    lines += _goodput_line(final)
     if reference is not None and getattr(args, "no_spare", False):
         got = recoveries[0].record.get("canonical_digest") if recoveries[0].record else None
         same = got == reference.get("canonical_digest")

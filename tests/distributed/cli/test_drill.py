@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import pytest
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.cli.launch import LocalCluster
+from megatier.observe.goodput import PARTS
 from tests.conftest import REPO
 
 JOB = "drill"
@@ -40,11 +42,38 @@ def drill(tmp_path: Path, *args: str, overrides=DRILL) -> dict:
     out = tmp_path / "drill.json"
     cmd = [sys.executable, str(REPO / "scripts" / "failure_drill.py"), "--work-dir", str(tmp_path / "work"),
            "--json", str(out), *args, "--", *overrides]
+    started = time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=540)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     report["stdout"], report["returncode"] = proc.stdout, proc.returncode
+    report["seconds"] = time.monotonic() - started
     return report
+
+
+def assert_goodput_adds_up(report: dict) -> None:
+    """The summary's goodput parts add up to the wall time the ledger held, which lies between the steps' own
+    time and the drill's; the lost work is the steps the drill lost, at the times they took in the launch that
+    failed (metrics.1.jsonl), about steps lost times its mean step time; restore is the recovery record's."""
+    run = Path(report["run_dir"])
+    (rec,) = report["recoveries"]
+    launches = [[json.loads(line) for line in (run / name).read_text().splitlines() if line.strip()]
+                for name in ("metrics.1.jsonl", "metrics.jsonl")]
+    steps = [[r for r in launch if "event" not in r] for launch in launches]
+    final = [r for r in launches[1] if r.get("event") == "summary"][-1]
+    wall, parts = final["goodput_wall_s"], {p: final[f"goodput_{p}_s"] for p in PARTS}
+    assert sum(parts.values()) == pytest.approx(wall, rel=1e-6), final
+    assert sum(r["iter_time_s"] for launch in steps for r in launch) < wall < report["seconds"], final
+    assert 0 < final["goodput"] < 1 and parts["restart"] > 0, final
+    lost = [r["iter_time_s"] for r in steps[0] if r["step"] > rec["end"]]
+    assert len(lost) == rec["steps_lost_drill"] == final["goodput_steps_lost"], (rec, final)
+    assert parts["lost"] == pytest.approx(sum(lost), rel=1e-6)
+    mean_step = statistics.mean(r["iter_time_s"] for r in steps[0][1:])  # the first step warms up
+    assert parts["lost"] == pytest.approx(rec["steps_lost_drill"] * mean_step, rel=0.5), (lost, mean_step)
+    assert parts["restore"] == pytest.approx(rec["t_consensus_s"] + rec["t_rollback_s"] + rec["t_replay_s"])
+    assert parts["productive"] == pytest.approx(sum(r["iter_time_s"] for r in steps[0] if r["step"] <= rec["end"])
+                                                + sum(r["iter_time_s"] for r in steps[1]), rel=1e-6)
+    assert "  goodput: " in report["stdout"]
 
 
 def run_job(work: Path, overrides: list[str], *, nodes: int, procs: int, env: dict | None = None,
@@ -101,6 +130,7 @@ def test_software_failure_recovers_from_tier1_only(tmp_path, drill_reference):
     assert {"loss.png", "step_time.png", "recovery_points.png", "tier_bytes.png"} <= pictures.keys(), pictures
     assert all(size > 10_000 for size in pictures.values())
     assert all(os.path.dirname(p) == report["run_dir"] for p in report["plots"])
+    assert_goodput_adds_up(report)
 
 
 @pytest.mark.timeout(600)
@@ -115,6 +145,9 @@ def test_node_failure_serves_the_lost_node_from_tier2(tmp_path, drill_reference)
         assert tiers == (["tier2"] if r in lost else ["tier1"]), rec
     assert rec["bytes_tier3"] == 0 and 19 - rec["end"] <= 5
     assert report["final_digest"] == drill_reference
+    # Step 19's record never reached the ring peer: at least that step is computed again, and counted lost.
+    assert rec["steps_lost_drill"] >= 1
+    assert_goodput_adds_up(report)
 
 
 @pytest.mark.timeout(600)

@@ -19,3 +19,17 @@ def test_stall_summary_reads_every_step_and_ignores_other_records():
 
 def test_stall_summary_needs_steps_to_summarise():
     assert stall_summary([{"event": "summary"}]) is None and _stall_line(None) == []
+
+
+def test_the_goodput_line_gives_every_part_of_the_summary():
+    from megatier.cli.drill_report import _goodput_line, goodput_fields
+
+    parts = {"productive": 6.0, "ckpt_stall": 0.2, "restore": 0.3, "lost": 0.04, "restart": 3.4, "eval": 0.05,
+             "other": 0.01}
+    summary = {"step": 30, "event": "summary", "state_digest": "x", "goodput": 0.6, "goodput_wall_s": 10.0,
+               "goodput_steps_lost": 1, "goodput_restarts": 1, **{f"goodput_{p}_s": s for p, s in parts.items()}}
+    assert goodput_fields(summary)["goodput_lost_s"] == 0.04 and "state_digest" not in goodput_fields(summary)
+    (line,) = _goodput_line(summary)
+    assert line.startswith("  goodput: 60.0% of 10.00 s held over every launch: productive 6.00 s, ckpt_stall ")
+    assert "lost 0.040 s (1 step), restart 3.40 s" in line
+    assert _goodput_line({"step": 3, "event": "summary"}) == [] and goodput_fields({}) is None
