@@ -104,9 +104,12 @@ class CaptureSchedule:
 def solve(profile: OpProfile, sizes: list[int], bandwidth: float, *, memory_limit: Optional[float],
           held_on_device: bool) -> Optional[tuple[list[int], float]]:
     """The integer program above for chunks of ``sizes`` bytes: (op of each chunk, modeled peak), or None
-    when it has no solution. ``bandwidth`` in bytes per second; ``memory_limit`` None: unbounded."""
+    when it has no solution. ``bandwidth`` in bytes per second; ``memory_limit`` None: unbounded.
+
+    Columns: x[i, t] (binary) at i * T + t, then held[t] (bytes copied during ops 0..t, continuous), then
+    the peak; held is carried by one equality per op, which keeps the matrix sparse (O(n T) entries)."""
     n, ops = len(sizes), len(profile.names)
-    nx = n * ops  # x[i, t] at column i * ops + t; the peak is the last column
+    nx, held, peak = n * ops, n * ops, n * ops + ops
     rows, cols, vals, lower, upper = [], [], [], [], []
 
     def constraint(entries: list[tuple[int, float]], lo: float, hi: float) -> None:
@@ -117,24 +120,28 @@ def solve(profile: OpProfile, sizes: list[int], bandwidth: float, *, memory_limi
 
     for i in range(n):  # each chunk copied exactly once
         constraint([(i * ops + t, 1.0) for t in range(ops)], 1.0, 1.0)
-    for t in range(ops):  # what op t copies fits its duration at the bandwidth (Checkflow's Eq. 9)
-        constraint([(i * ops + t, float(sizes[i])) for i in range(n)], -np.inf, bandwidth * profile.seconds[t])
-    for t in range(ops):  # live + held <= peak (Eq. 10); held: chunks copied during ops 0..t
-        held = [(i * ops + u, float(sizes[i])) for i in range(n) for u in range(t + 1)] if held_on_device else []
-        constraint(held + [(nx, -1.0)], -np.inf, -float(profile.live_bytes[t]))
-    a = coo_matrix((vals, (rows, cols)), shape=(len(lower), nx + 1))
-    cost = np.zeros(nx + 1)
-    cost[nx] = 1.0  # minimise the peak (Eq. 12)
-    integrality = np.ones(nx + 1)
-    integrality[nx] = 0
-    bounds = Bounds(np.zeros(nx + 1), np.concatenate([np.ones(nx), [memory_limit if memory_limit is not None
-                                                                    else np.inf]]))
-    res = milp(cost, constraints=LinearConstraint(a, lower, upper), integrality=integrality, bounds=bounds,
-               options={"time_limit": SOLVE_LIMIT_S})
+    for t in range(ops):
+        copied = [(i * ops + t, float(sizes[i])) for i in range(n)]
+        # What op t copies fits its duration at the bandwidth (Checkflow's Eq. 9).
+        constraint(copied, -np.inf, bandwidth * profile.seconds[t])
+        # held[t] = held[t - 1] + what op t copies (nothing is held where the copies land elsewhere).
+        carried = [(held + t - 1, 1.0)] if t > 0 else []
+        constraint([(held + t, 1.0)] + [(c, -v) for c, v in copied] + [(c, -v) for c, v in carried]
+                   if held_on_device else [(held + t, 1.0)], 0.0, 0.0)
+        # live + held <= peak (Eq. 10).
+        constraint([(held + t, 1.0), (peak, -1.0)], -np.inf, -float(profile.live_bytes[t]))
+    width = nx + ops + 1
+    a = coo_matrix((vals, (rows, cols)), shape=(len(lower), width))
+    cost = np.zeros(width)
+    cost[peak] = 1.0  # minimise the peak (Eq. 12)
+    integrality = np.concatenate([np.ones(nx), np.zeros(ops + 1)])
+    top = np.concatenate([np.ones(nx), np.full(ops, np.inf), [memory_limit if memory_limit is not None else np.inf]])
+    res = milp(cost, constraints=LinearConstraint(a.tocsr(), lower, upper), integrality=integrality,
+               bounds=Bounds(np.zeros(width), top), options={"time_limit": SOLVE_LIMIT_S})
     if res.x is None:
         return None
     x = np.round(res.x[:nx]).reshape(n, ops)
-    return [int(np.argmax(x[i])) for i in range(n)], float(res.x[nx])
+    return [int(np.argmax(x[i])) for i in range(n)], float(res.x[peak])
 
 
 def split(chunks: list[Chunk], limit_elements: int) -> list[Chunk]:
@@ -160,7 +167,8 @@ def plan(profile: OpProfile, numel: int, bytes_per_element: int, bandwidth: floa
     if numel * bytes_per_element > bandwidth * profile.step_seconds:
         return None  # more than the whole step can move: no split helps
     chunks, splits, spent = [Chunk(0, numel)], 0, 0.0
-    per_chunk = numel  # Algorithm 1's per_size, in elements
+    # Algorithm 1's per_size, in elements: first what the longest op can move, halved on every later split.
+    per_chunk = max(1, int(bandwidth * max(profile.seconds)) // bytes_per_element)
     while True:
         sizes = [(c.hi - c.lo) * bytes_per_element for c in chunks]
         start = time.perf_counter()
@@ -174,5 +182,5 @@ def plan(profile: OpProfile, numel: int, bytes_per_element: int, bandwidth: floa
         spent += time.perf_counter() - start
         if not bandwidth_bound or splits >= max_splits:
             return None  # memory-bound (splitting does not free memory), or split as far as allowed
-        per_chunk = max(1, per_chunk // 2)
         chunks, splits = split(chunks, per_chunk), splits + 1
+        per_chunk = max(1, per_chunk // 2)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from megatier.checkpoint.format.payload import decode_base
 from megatier.checkpoint.format.units import PayloadId
@@ -24,7 +25,7 @@ def test_parts_tile_the_shard_and_decay_ranges_are_cut_to_them():
     assert clip_ranges(ranges, 4, 6).tolist() == []
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 7])
 def test_spread_capture_is_bitwise_the_snapshot(k):
     opt, shard = tiny_shard()
     version = 12
@@ -67,16 +68,22 @@ def test_steps_must_come_in_order():
         capture.after_step(5)
 
 
-def _bases(capture: str, crash_at: int = 0) -> tuple[list[MemoryTier], dict]:
-    """Run 20 steps (bases every 10, batches of 5) with ``checkpoint.base_capture``; the tiers and the snapshots."""
+def _bases(capture: str, crash_at: int = 0, *, scheduled: bool = False) -> tuple[list[MemoryTier], dict]:
+    """Run 20 steps (bases every 10, batches of 5) with ``checkpoint.base_capture`` (k = 4); the tiers and the
+    snapshots. ``scheduled``: each step runs a small model's forward and backward first, whose operations the
+    capture schedule (profiled at step 2) copies the parts during; ``crash_at``: the process dies after that
+    step's after_step."""
     tiers = [MemoryTier(TIER1, takes_steps=True), MemoryTier(TIER3, scope=JOB_SCOPE)]
     ctx = context(tiers, base_interval=10, batch=5)
     ctx.cfg.base_capture, ctx.cfg.capture_steps = capture, 4
     opt, shard = tiny_shard()
-    manager = CheckpointManager(ctx, shard, inline=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)) if scheduled else None
+    manager = CheckpointManager(ctx, shard, model=model, inline=True)
     manager.restore()
     snaps, metrics = {}, {}
     for s in range(1, (crash_at or 20) + 1):
+        if model is not None:
+            model(torch.randn(16, 32)).sum().backward()
         step(opt, s)
         snaps[s] = snapshot(opt)
         metrics[s] = manager.after_step(s)
@@ -90,8 +97,9 @@ def _base(tiers: list[MemoryTier], version: int):
     return decode_base(payload, job_id=JOB, layout=payload.stamp.layout, source="test")
 
 
-def test_the_manager_publishes_spread_bases_bitwise_equal_to_snapshots():
-    spread, run = _bases("spread")
+@pytest.mark.parametrize("scheduled", [False, True], ids=["at-step-end", "scheduled"])
+def test_the_manager_publishes_spread_bases_bitwise_equal_to_snapshots(scheduled):
+    spread, run = _bases("spread", scheduled=scheduled)
     whole, _ = _bases("snapshot")
     for version in (10, 20):
         a, b = _base(spread, version), _base(whole, version)
@@ -99,10 +107,26 @@ def test_the_manager_publishes_spread_bases_bitwise_equal_to_snapshots():
             assert torch.equal(getattr(a, kind), getattr(b, kind)), (version, kind)
         assert torch.equal(a.master, run["snaps"][version]["master"])
     held = [run["metrics"][s]["ckpt_capture_bytes"] for s in range(1, 21)]
-    assert held[6:9] == sorted(held[6:9]) and held[6] > 0 and held[9] == 0  # steps 7-9 hold parts, 10 publishes
+    if not scheduled:  # parts copied at the end of steps 7-10; 10 publishes
+        assert held[6:9] == sorted(held[6:9]) and held[6] > 0 and held[9] == 0
+        assert run["metrics"][10]["base_capture"] == "spread"
+    else:  # parts copied during steps 8-11; 11 publishes base 10
+        assert held[6:10] == sorted(held[6:10]) and held[6] > 0 and held[10] == 0
+        assert run["metrics"][11]["base_capture"] == "scheduled" and run["metrics"][11]["base_capture_version"] == 10
+        assert "capture schedule: 1 chunks" in run["metrics"][2]["base_capture_schedule"]
 
 
-def test_a_failure_inside_the_window_leaves_the_previous_base_the_newest():
-    tiers, _ = _bases("spread", crash_at=18)  # parts of base 20 taken at 17 and 18, then the process dies
-    versions = sorted(pid.version for _, pid in tiers[0].units if pid.kind == "base")
-    assert max(versions) == 10 and 20 not in versions
+@pytest.mark.parametrize("scheduled", [False, True], ids=["at-step-end", "scheduled"])
+@pytest.mark.parametrize("crash_at", [17, 18, 19, 20, 21])
+def test_a_failure_inside_the_window_keeps_the_previous_base_and_loses_nothing(crash_at, scheduled):
+    """Base 20's parts are copied at the end of steps 17-20 (scheduled: during steps 18-21); a crash after any
+    of them leaves base 10 the newest until the base is whole, and recovery still reaches the crash step."""
+    tiers, run = _bases("spread", crash_at=crash_at, scheduled=scheduled)
+    versions = {pid.version for _, pid in tiers[0].units if pid.kind == "base"}
+    complete = crash_at >= (21 if scheduled else 20)
+    assert max(versions) == (20 if complete else 10), versions
+    opt, shard = tiny_shard()
+    start, _ = CheckpointManager(context(tiers, base_interval=10, batch=5), shard, inline=True).restore()
+    assert start == crash_at
+    want = run["snaps"][crash_at]
+    assert all(torch.equal(getattr(opt, kind), want[kind]) for kind in STATE) and opt.adam_steps == want["adam_steps"]
