@@ -19,9 +19,10 @@ and rewrites it (a temporary file, then ``os.replace``) after every step, before
 logged, and at exit. A process killed at any moment leaves the previous version whole; the time since
 it was written becomes ``restart`` at the next launch, so nothing is counted twice or dropped.
 Invariants, after every update: ``sum(parts) == wall_s`` (to float rounding); ``wall_s`` is the wall
-clock from the first launch's start to the last update, less the gaps between a clean exit and the
-next launch (nothing is held then); ``parts["productive"]`` equals the recorded times of the kept steps
-(``window`` plus ``folded``). No fsync: the file survives the process, which the page cache outlives.
+clock from the first launch's start (``started``: the Trainer's construction) to the last update, less
+the gaps between a clean exit and the next launch (nothing is held then); ``parts["productive"]``
+equals the recorded times of the kept steps (``window`` plus ``folded``). No fsync: the file must
+survive the process, which the page cache outlives.
 
 Lost work needs the time of each step a restore may give up. Steps at or below the durable recovery
 point (``rpo_rack``: committed to Tier-3, which a restore never goes behind) cannot be lost, so they are
@@ -155,7 +156,12 @@ class GoodputLedger:
     def resume(self, start_step: int, recovery: Optional[dict] = None) -> None:
         """This launch trains on from ``start_step`` (E after a restore, 0 on a fresh start): continue the
         ledger it found, or start a new one when there is none, it belongs to another job id, or this is a new
-        run (step 0 after a clean exit, or step 0 with another config). Steps past E become lost work."""
+        run (step 0 after a clean exit, or step 0 with another config). Steps past E become lost work. A second
+        call in the same launch (another restore) only reconciles and adds its restore time."""
+        if self.state is not None:
+            self._reconcile(start_step)
+            self._pending_restore += _recovery_seconds(recovery)
+            return
         p = self.prior
         if p is not None and p.job_id != self.job_id:
             log.warning("goodput: %s belongs to job %r; starting a new ledger for %r", self.path, p.job_id,
@@ -182,10 +188,10 @@ class GoodputLedger:
         lost = [w for w in s.window if w[0] > end]
         lost_s, count = sum(w[1] for w in lost), len(lost)
         s.window = [w for w in s.window if w[0] <= end]
-        if s.folded_through > end and s.folded_steps:
+        if s.folded_through > end:
             # Behind the durable point (a fresh start, a wiped Tier-3): per-step times are folded, use their mean.
             k = min(s.folded_steps, s.folded_through - end)
-            share = s.folded_s * k / s.folded_steps
+            share = s.folded_s * k / s.folded_steps if k else 0.0
             s.folded_s, s.folded_steps, s.folded_through = s.folded_s - share, s.folded_steps - k, end
             lost_s, count = lost_s + share, count + k
         s.parts["productive"] = max(0.0, s.parts["productive"] - lost_s)

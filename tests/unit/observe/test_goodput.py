@@ -164,8 +164,10 @@ def test_steps_at_the_durable_point_fold_and_a_restore_behind_it_counts_their_me
     doc = json.loads((tmp_path / FILENAME).read_text())
     assert doc["folded_through"] == 10 and [w[0] for w in doc["window"]] == list(range(11, 21))
     again = _open(tmp_path, clock)
+    again.resume(12)
     again.resume(4)  # behind the durable point (a wiped Tier-3): six folded steps and the ten after them
     fields = _train(again, clock, [5])
+    assert fields["goodput_restarts"] == 1  # one launch after one failure, however often it restores
     assert fields["goodput_steps_lost"] == 16 and fields["goodput_lost_s"] == pytest.approx(16 * STEP_S)
     assert fields["goodput_productive_s"] == pytest.approx(5 * STEP_S)
     _adds_up(fields)
