@@ -92,7 +92,7 @@ def _train(rank: int, tmp: str, prefix: str, layout: tuple[int, int]) -> dict:
         bases = {v: decode_base(memory.load(rank, PayloadId.base(v)), job_id=cfg.checkpoint.job_id, layout=layout_,
                                 source="t1") for v in (10, 20)}
         out[(capture, k)] = {"bases": bases, "how": [r.get("base_capture") for r in records],
-                             "norms": [r["grad_norm"] for r in records if not r.get("skipped")],
+                             "norms": [r["grad_norm"] for r in records if "grad_norm" in r and not r["skipped"]],
                              "skipped": [r["step"] for r in records if r.get("skipped")]}
     return out
 
