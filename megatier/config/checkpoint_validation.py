@@ -158,6 +158,10 @@ def check_checkpoint_config(cfg: CheckpointConfig) -> None:
                  f"checkpoint.remote.drain_timeout_s={cfg.remote.drain_timeout_s} must be positive")
         _require(cfg.remote.keep_bases >= 1, f"checkpoint.remote.keep_bases={cfg.remote.keep_bases} must be >= 1; "
                                              f"the recovery point needs at least one base")
+        every = cfg.remote.base_every
+        _require(isinstance(every, int) and not isinstance(every, bool) and every >= 1,
+                 f"checkpoint.remote.base_every={every!r} must be an integer >= 1 (1: every base goes to Tier-3, "
+                 f"n: every n-th base from the anchor)")
 
 
 def effective_checkpoint_config(cfg: CheckpointConfig, num_nodes: int) -> CheckpointConfig:

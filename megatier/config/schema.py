@@ -154,6 +154,10 @@ class RemoteTierConfig:
     endpoint_url: Optional[str] = None
     # Committed bases kept on Tier-3 at or below the watermark.
     keep_bases: int = 2
+    # Tier-3 gets every base_every-th base, counted from the anchor (the base written at start or after a
+    # restore, always uploaded); Tier-1/Tier-2 keep every base and Tier-3 still gets every diff batch, so
+    # the rack recovery point keeps moving every batch through the chain from Tier-3's newest base.
+    base_every: int = 1
     # Directory remotes: fsync each object before it becomes visible (durable through a power loss of the
     # machine that wrote it). False for a file system that is durable on close (NFS, Lustre) or to match
     # baselines that do not fsync either; S3 ignores it.

@@ -36,7 +36,7 @@ def test_schema_has_the_documented_keys_and_defaults():
         "diff.small_threshold", "diff.per_step", "peer.max_chunk_mib", "local.root", "local.keep_bases",
         "local.budget_gib",
         "remote.url", "remote.endpoint_url",
-        "remote.keep_bases", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
+        "remote.keep_bases", "remote.base_every", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
         "memory_budget_gib", "allow_fresh_start", "allow_changes", "base_capture", "capture_steps",
             "capture_schedule"}
     assert (cfg.base_interval, cfg.diff.batch, cfg.diff.compression, cfg.diff.topk_ratio) == (50, 5, "adaptive", 0.01)
@@ -44,6 +44,7 @@ def test_schema_has_the_documented_keys_and_defaults():
     assert cfg.local.root.startswith("/dev/shm/") and cfg.remote.url == "checkpoints"
     assert cfg.allow_fresh_start is False and cfg.remote.fsync is True
     assert (cfg.base_capture, cfg.capture_steps) == ("snapshot", 4)
+    assert cfg.remote.base_every == 1
 
 
 def test_tiered_preset_composes_and_validates(compose_config, tmp_path):
@@ -76,6 +77,8 @@ def test_s3_url_with_endpoint_is_accepted(tmp_path):
     (["checkpoint.remote.url=s3://Bad_Bucket/x"], ["'Bad_Bucket'", "bucket name"]),
     (["checkpoint.remote.endpoint_url=http://127.0.0.1:9000"], ["endpoint_url", "not s3://"]),
     (["checkpoint.remote.keep_bases=0"], ["checkpoint.remote.keep_bases=0"]),
+    (["checkpoint.remote.base_every=0"], ["checkpoint.remote.base_every=0", "integer >= 1"]),
+    (["checkpoint.remote.base_every=-2"], ["checkpoint.remote.base_every=-2", "integer >= 1"]),
     (["checkpoint.job_id=a/b"], ["checkpoint.job_id='a/b'"]),
     (["checkpoint.local.root={tmp}/a_file/shm"], ["checkpoint.local.root=", "a_file is not a writable directory"]),
     (["checkpoint.memory_budget_gib=0"], ["checkpoint.memory_budget_gib=0"]),
