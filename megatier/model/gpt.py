@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatier.config import ModelConfig
+from megatier.optim.flat import ParamSpec
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
     ColumnParallelLinear,
@@ -285,6 +286,37 @@ def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, 
         shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
     shapes.update({"final_norm.weight": (h,), "final_norm.bias": (h,)})
     return shapes
+
+
+# How the parallel layers cut each parameter across tp ranks, (dim, stride) by name (a layer's without its
+# "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (the fused qkv in 3 blocks),
+# RowParallelLinear input columns (its bias replicated), the vocabulary embedding and the head vocabulary rows.
+TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
+             "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1)}
+
+
+def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list[ParamSpec]:
+    """The parameters of ``GPTStage(cfg, vocab_size, spec)`` in its order (the flat buffer's), with this tp rank's
+    shapes, without building it: what a size plan needs for a model that does not fit here. Equal to the
+    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape) (tested)."""
+    full = canonical_shapes(cfg, vocab_size)
+    names = [n for n in full if n.startswith("layers.") and int(n.split(".")[1]) in spec.layers]
+    if spec.is_first:
+        names = ["word.weight", "pos.weight"] + names
+    if spec.is_last:
+        names += ["final_norm.weight", "final_norm.bias"]
+    if spec.is_last and not spec.is_first:
+        names = ["head_weight"] + names  # a parameter of the stage itself: named before its submodules'
+    padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
+    out = []
+    for name in names:
+        full_shape = full[canonical_name(name)]
+        tp_dim, stride = TP_SPLITS.get(name.split(".", 2)[-1] if name.startswith("layers.") else name, (None, 1))
+        shape = [padded, *full_shape[1:]] if name in VOCAB_PARAMS else list(full_shape)
+        if tp_dim is not None:
+            shape[tp_dim] //= spec.tp
+        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape))
+    return out
 
 
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:

@@ -2,7 +2,7 @@
 
     codecs       INT8 and top-k codecs with their inverses
     records      CompressedRecord (one compressed gradient shard) and its serialization
-    compression  compress_segments / decompress_segments: a shard per parameter segment
+    compression  compress_segments / decompress_segments: a shard per parameter segment; planned_record
     adamw        adamw_step and the fused multi-step adamw_replay
     reference    the pure-torch reference of every kernel
     _native      loading the compiled extension, or warning and falling back
@@ -21,7 +21,7 @@ from megatier.ops.adamw import adamw_replay, adamw_step
 from megatier.ops.codecs import (DEFAULT_BLOCK_SIZE, DEFAULT_RATIO, DEFAULT_SAMPLE_SIZE, DEFAULT_SMALL_THRESHOLD,
                                  MODES, TOPK_CHUNK_ELEMS, TopK, densify, dequantize_int8, quantize_int8,
                                  sparsify_topk)
-from megatier.ops.compression import compress_segments, decompress_segments
+from megatier.ops.compression import compress_segments, decompress_segments, planned_record
 from megatier.ops.records import RECORD_FORMAT, CompressedRecord, pack_records, unpack_records
 from megatier.ops.reference import adamw_scalars
 
@@ -38,6 +38,7 @@ __all__ = [
     "densify",
     "compress_segments",
     "decompress_segments",
+    "planned_record",
     "CompressedRecord",
     "TopK",
     "pack_records",

@@ -1,4 +1,5 @@
-"""Compressing a gradient shard per parameter segment (:func:`compress_segments`) and back.
+"""Compressing a gradient shard per parameter segment (:func:`compress_segments`) and back; the record one
+would make, planned without a gradient (:func:`planned_record`).
 
 The differential checkpoint stream calls these: one :class:`~megatier.ops.records.CompressedRecord`
 per step, each segment coded by :mod:`megatier.ops.codecs` (adaptive: INT8 for small
@@ -6,7 +7,8 @@ segments, top-k for large ones; or one lossy or lossless codec for all).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import itertools
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -81,21 +83,10 @@ def compress_segments(
     """
     op = "compress_segments"
     check_flat(flat, op, "flat")
-    if mode not in MODES:
-        raise ValueError(f"{op}: mode must be one of {MODES}, got {mode!r}")
-    header: dict[str, Any] = {
-        "format": RECORD_FORMAT, "mode": mode, "n": flat.numel(), "ratio": _check_ratio(ratio, op),
-        "small_threshold": _check_int(small_threshold, op, "small_threshold", 0),
-        "block_size": _check_int(block_size, op, "block_size", 1),
-        "sample_size": _check_int(sample_size, op, "sample_size", 1),
-        "seed": _check_int(seed, op, "seed", -(2**63), 2**64 - 1),
-        "chunk_size": _check_int(chunk_size, op, "chunk_size", 1, TOPK_CHUNK_ELEMS),
-    }
+    header = _record_header(op, flat.numel(), mode, ratio, small_threshold, block_size, sample_size, seed,
+                            chunk_size)
     offsets, numels = _normalize_segments(segments, flat.numel(), op)
-    if mode == "adaptive":
-        codecs = ["int8" if k < header["small_threshold"] else "topk" for k in numels]
-    else:
-        codecs = [mode] * len(numels)
+    codecs = _codecs(mode, numels, header["small_threshold"])
     if flat.device.type == "cpu" and _native.use_native(flat):
         h = header
         codes, scales, tv, ti, tc, bf, fp = _native.lib().compress_segments(
@@ -106,6 +97,65 @@ def compress_segments(
         pools, chunk_counts = _compress_reference(flat, offsets, numels, codecs, header)
     header["segments"] = _segment_table(offsets, numels, codecs, chunk_counts, header)
     return CompressedRecord(header, {name: t for name, t in pools.items() if t.numel()})
+
+
+def _record_header(op: str, n: int, mode: str, ratio: float, small_threshold: int, block_size: int,
+                   sample_size: int, seed: int, chunk_size: int) -> dict[str, Any]:
+    """A record's header before its segment table, every setting checked."""
+    if mode not in MODES:
+        raise ValueError(f"{op}: mode must be one of {MODES}, got {mode!r}")
+    return {
+        "format": RECORD_FORMAT, "mode": mode, "n": n, "ratio": _check_ratio(ratio, op),
+        "small_threshold": _check_int(small_threshold, op, "small_threshold", 0),
+        "block_size": _check_int(block_size, op, "block_size", 1),
+        "sample_size": _check_int(sample_size, op, "sample_size", 1),
+        "seed": _check_int(seed, op, "seed", -(2**63), 2**64 - 1),
+        "chunk_size": _check_int(chunk_size, op, "chunk_size", 1, TOPK_CHUNK_ELEMS),
+    }
+
+
+def _codecs(mode: str, numels: list[int], small_threshold: int) -> list[str]:
+    """The codec of each segment: adaptive picks INT8 below ``small_threshold`` elements, top-k from it up."""
+    if mode == "adaptive":
+        return ["int8" if k < small_threshold else "topk" for k in numels]
+    return [mode] * len(numels)
+
+
+def planned_record(
+    numels: Sequence[int],
+    mode: str = "adaptive",
+    ratio: float = DEFAULT_RATIO,
+    small_threshold: int = DEFAULT_SMALL_THRESHOLD,
+    *,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    sample_size: int = DEFAULT_SAMPLE_SIZE,
+    seed: int = 0,
+    chunk_size: int = TOPK_CHUNK_ELEMS,
+) -> CompressedRecord:
+    """The record :func:`compress_segments` makes of a gradient whose segments have ``numels`` elements, without
+    a gradient: its header and its pools as meta tensors (dtype and size, no data), for a size plan.
+
+    Exact for INT8, bf16 and fp32. A top-k chunk is planned at the count it aims for (``topk_target``): a real
+    one keeps between half and twice that, close to it for a gradient's magnitudes.
+    """
+    header = _record_header("planned_record", sum(numels), mode, ratio, small_threshold, block_size, sample_size,
+                            seed, chunk_size)
+    offsets = list(itertools.accumulate([0, *numels[:-1]]))
+    codecs = _codecs(mode, list(numels), header["small_threshold"])
+    block, chunk = header["block_size"], header["chunk_size"]
+    counts, sizes = [], dict.fromkeys(POOLS, 0)
+    for num, codec in zip(numels, codecs):
+        if codec == "int8":
+            sizes["int8_codes"] += num
+            sizes["int8_scales"] += (num + block - 1) // block
+        elif codec == "topk":
+            counts += [reference.topk_target(min(chunk, num - start), ratio) for start in range(0, num, chunk)]
+        else:
+            sizes[f"{codec}_values"] += num
+    sizes["topk_values"] = sizes["topk_indices"] = sum(counts)
+    header["segments"] = _segment_table(offsets, list(numels), codecs, counts, header)
+    return CompressedRecord(header, {name: torch.empty(n, dtype=POOLS[name], device="meta")
+                                     for name, n in sizes.items() if n})
 
 
 def _compress_reference(flat: torch.Tensor, offsets: list[int], numels: list[int], codecs: list[str],

@@ -8,8 +8,9 @@ between them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Iterable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -77,6 +78,17 @@ class ShardSegment:
         return cls(**fields)
 
 
+class ParamSpec(NamedTuple):
+    """A parameter without its tensor: this tp rank's ``shape``, how the full tensor is cut (``tp_dim`` None:
+    replicated) and the full unpadded shape; what a segment is made of."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: Optional[int]
+    tp_stride: int
+    full_shape: tuple[int, ...]
+
+
 class FlatLayout:
     """Segment table of a model stage, padded so the flat size divides into dp shards."""
 
@@ -89,15 +101,24 @@ class FlatLayout:
 
     @classmethod
     def from_module(cls, module: nn.Module, dp: int, *, tp_rank: int, shared_copies: set[str]) -> "FlatLayout":
+        params = [ParamSpec(name, tuple(p.shape), p.tp_partition_dim, getattr(p, "tp_partition_stride", 1),
+                            tuple(getattr(p, "full_shape", p.shape if p.tp_partition_dim is None else ())))
+                  for name, p in module.named_parameters()]
+        return cls.from_params(params, dp, tp_rank=tp_rank, shared_copies=shared_copies)
+
+    @classmethod
+    def from_params(cls, params: Iterable[ParamSpec], dp: int, *, tp_rank: int,
+                    shared_copies: set[str]) -> "FlatLayout":
+        """The layout of parameters in flat order: a module's, or a stage's described without building it
+        (``megatier.model.gpt.stage_parameters``, for a size plan)."""
         segments, offset = [], 0
-        for name, p in module.named_parameters():
-            replicated = p.tp_partition_dim is None
-            in_norm = not (replicated and tp_rank > 0) and name not in shared_copies
-            full_shape = tuple(getattr(p, "full_shape", p.shape if replicated else ()))
-            segments.append(Segment(name, offset, p.numel(), tuple(p.shape), decay=p.dim() >= 2, in_norm=in_norm,
-                                    tp_dim=p.tp_partition_dim, tp_stride=getattr(p, "tp_partition_stride", 1),
-                                    full_shape=full_shape))
-            offset += p.numel()
+        for p in params:
+            replicated = p.tp_dim is None
+            in_norm = not (replicated and tp_rank > 0) and p.name not in shared_copies
+            numel = math.prod(p.shape)
+            segments.append(Segment(p.name, offset, numel, p.shape, decay=len(p.shape) >= 2, in_norm=in_norm,
+                                    tp_dim=p.tp_dim, tp_stride=p.tp_stride, full_shape=p.full_shape))
+            offset += numel
         return cls(segments, dp)
 
     def shard_range(self, dp_rank: int) -> tuple[int, int]:

@@ -172,7 +172,8 @@ class DiffStep:
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous()
+    """``t`` as a contiguous CPU tensor; a meta tensor (a size plan's: dtype and shape, no data) stays as it is."""
+    return t if t.is_meta else t.detach().cpu().contiguous()
 
 
 # safetensors' dtype names (its format spec) for the dtypes payloads carry.
@@ -210,21 +211,30 @@ class PayloadDraft:
         """The stamp of ``data``, this draft's serialized bytes (any buffer)."""
         return Stamp(self.pid, len(data), checksum(data), self.job_id, self.layout, self.fingerprint)
 
-    def pieces(self) -> list:
-        """The serialized payload as consecutive buffers: the header, then one view per tensor."""
+    def header(self) -> bytes:
+        """The header piece: its 8-byte length, then the JSON of each tensor's dtype, shape and byte range and the
+        metadata, padded to 8 bytes. A function of dtypes and shapes only: a draft of meta tensors has it too."""
         entries: dict[str, Any] = {"__metadata__": self.metadata}
-        views, offset = [], 0
+        offset = 0
         for name, t in self.tensors.items():
             if t.dtype not in _ST_DTYPES:
                 raise ValueError(f"payload tensor {name} has dtype {t.dtype}, which payloads do not store")
-            view = _raw_bytes(t)
+            nbytes = t.numel() * t.element_size()
             entries[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                             "data_offsets": [offset, offset + len(view)]}
-            views.append(view)
-            offset += len(view)
+                             "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
         header = json.dumps(entries, separators=(",", ":")).encode()
         header += b" " * (-len(header) % 8)
-        return [struct.pack("<Q", len(header)) + header, *views]
+        return struct.pack("<Q", len(header)) + header
+
+    @property
+    def size(self) -> int:
+        """Bytes of the serialized payload (its stamp's size), without serializing it."""
+        return len(self.header()) + sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def pieces(self) -> list:
+        """The serialized payload as consecutive buffers: the header, then one view per tensor."""
+        return [self.header(), *(_raw_bytes(t) for t in self.tensors.values())]
 
     def to_payload(self) -> EncodedPayload:
         data = b"".join(self.pieces())
