@@ -14,6 +14,7 @@ Rules beyond per-field ranges:
   from any base starts at a batch boundary; reclamation can drop whole batches.
 - ``peer`` requires ``local``: a replica lives in the holder node's Tier-1 area.
 - ``remote.endpoint_url`` only makes sense with an ``s3://`` url.
+- ``remote.base_every`` > 1 needs ``local``: node memory keeps the bases Tier-3 skips.
 """
 from __future__ import annotations
 
@@ -162,6 +163,9 @@ def check_checkpoint_config(cfg: CheckpointConfig) -> None:
         _require(isinstance(every, int) and not isinstance(every, bool) and every >= 1,
                  f"checkpoint.remote.base_every={every!r} must be an integer >= 1 (1: every base goes to Tier-3, "
                  f"n: every n-th base from the anchor)")
+        _require(every == 1 or "local" in cfg.tiers,
+                 f"checkpoint.remote.base_every={every} needs the local tier: without node memory the bases Tier-3 "
+                 f"skips are kept nowhere; add local to checkpoint.tiers, or raise checkpoint.base_interval instead")
 
 
 def effective_checkpoint_config(cfg: CheckpointConfig, num_nodes: int) -> CheckpointConfig:

@@ -79,6 +79,8 @@ def test_s3_url_with_endpoint_is_accepted(tmp_path):
     (["checkpoint.remote.keep_bases=0"], ["checkpoint.remote.keep_bases=0"]),
     (["checkpoint.remote.base_every=0"], ["checkpoint.remote.base_every=0", "integer >= 1"]),
     (["checkpoint.remote.base_every=-2"], ["checkpoint.remote.base_every=-2", "integer >= 1"]),
+    (["checkpoint.remote.base_every=2", "checkpoint.tiers=[remote]"], ["checkpoint.remote.base_every=2",
+                                                                      "needs the local tier"]),
     (["checkpoint.job_id=a/b"], ["checkpoint.job_id='a/b'"]),
     (["checkpoint.local.root={tmp}/a_file/shm"], ["checkpoint.local.root=", "a_file is not a writable directory"]),
     (["checkpoint.memory_budget_gib=0"], ["checkpoint.memory_budget_gib=0"]),
@@ -98,6 +100,18 @@ def test_invalid_combinations_name_the_field(compose_config, tmp_path, overrides
         assert "\n" not in message
         for field in fields:
             assert field in message
+
+
+@pytest.mark.parametrize("every", [1.5, True, "2"])
+def test_base_every_must_be_an_integer(tmp_path, every):
+    """Hydra's schema refuses a non-integer override first; a config built in Python meets this check."""
+    cfg = CheckpointConfig(enabled=True, job_id="j", local=dataclasses.replace(CheckpointConfig().local,
+                                                                             root=str(tmp_path)))
+    cfg.remote.base_every = every
+    with pytest.raises(ConfigError, match=r"^checkpoint\.remote\.base_every=.* must be an integer >= 1 [^\n]*$"):
+        check_checkpoint_config(cfg)
+    cfg.remote.base_every = 3
+    check_checkpoint_config(cfg)
 
 
 def test_peer_tier_on_one_node_is_dropped_with_a_warning(compose_config, tmp_path):
