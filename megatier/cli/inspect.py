@@ -281,7 +281,7 @@ def _node_rows(sp: SizePlan) -> list[str]:
     rows = [(f"node{spans(nodes)}" if len(nodes) == 1 else f"nodes {spans(nodes)}",
              spans([r for n in nodes for r in range(n * ppn, (n + 1) * ppn)]), human(typical), human(bound))
             for (typical, bound), nodes in groups.items()]
-    return _table(("nodes", "ranks", "Tier-3 keeping up", "Tier-3 behind or down"), rows)
+    return _table(("nodes", "their ranks", "each, Tier-3 keeping up", "each, Tier-3 behind or down"), rows)
 
 
 def _room(sp: SizePlan) -> str:
@@ -308,7 +308,8 @@ def render_plan(sp: SizePlan, cfg: Config) -> str:
              f"{c.base_interval} steps; tiers {', '.join(c.tiers)}",
              *(f"note: {n}" for n in sp.notes), "", "payloads per rank, as serialized:", *_payload_rows(sp)]
     if d.compression in ("adaptive", "topk"):
-        lines.append("(top-k records are planned at their target count; real ones vary by a few percent)")
+        lines.append("(top-k records are planned at the count they aim for; real ones keep more or fewer: on the "
+                     "demo within 2%)")
     lines += ["", "held per rank at steady state (reclaim/policy.py):", *_tier_lines(sp)]
     if "local" in c.tiers:
         where = " and the Tier-2 replicas of the node before it" if "peer" in c.tiers else ""
