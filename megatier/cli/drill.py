@@ -76,6 +76,7 @@ from megatier.cli.drill_report import (
     check_recovery,
     final_problems,
     format_report,
+    goodput_fields,
     stall_summary,
     victims,
 )
@@ -381,6 +382,7 @@ def _drill_and_report(args, job: Job) -> int:
                        "notes": [n for r in recoveries for n in r.notes], "final_loss": final.get("loss"),
                        "final_digest": final.get("state_digest"),
                        "final_val_loss": final.get("val_loss"), "stall": stall, "plots": plots,
+                       "goodput": goodput_fields(final),
                        "reference_loss": reference.get("loss") if reference else None,
                        "reference_val_loss": reference.get("val_loss") if reference else None,
                        "reference_digest": reference.get("state_digest") if reference else None,
