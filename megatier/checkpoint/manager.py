@@ -17,7 +17,8 @@ What and when (the tiers move the bytes, see :mod:`.tiers.base`):
   the step unit must not);
 - at the anchor (0 on a fresh start, E after a recovery) and every
   ``base_interval`` steps after it: a snapshot of the shard goes to the save
-  thread (base stream); with ``base_capture=spread`` the bases after the
+  thread (base stream; Tier-3 gets the anchor and every ``remote.base_every``-th
+  base after it, see :mod:`.cadence`); with ``base_capture=spread`` the bases after the
   anchor are copied in ``capture_steps`` parts over the steps ending at their
   version and reconciled by replay, the parts placed into the next step's
   operations by a Checkflow schedule (:mod:`.save.base_capture`);
@@ -42,6 +43,7 @@ from typing import Optional, Union
 
 from torch import nn
 
+from megatier.checkpoint.cadence import save_thread_tiers
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
@@ -117,7 +119,10 @@ class CheckpointManager:
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
         self._step_tiers = [t for t in saving if t.takes_steps] if self.cfg.diff.per_step else []
-        self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=[t for t in saving if not t.lockstep],
+        # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes (cadence.py).
+        worker_tiers = save_thread_tiers([t for t in saving if not t.lockstep], base_interval=self.cfg.base_interval,
+                                         base_every=self.cfg.remote.base_every, anchor=lambda: self.anchor)
+        self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=worker_tiers,
                                  keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
 
     # ---- start -------------------------------------------------------------------------------
