@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatier.checkpoint.cadence import uploads_base
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import reclaim_remote
 from megatier.checkpoint.commit.reader import RemoteReader
@@ -13,7 +14,13 @@ from megatier.checkpoint.commit.records import DoneMarker, commit_key, list_unit
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
-from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set, remote_reclaim_set
+from megatier.checkpoint.reclaim.policy import (
+    beyond_end,
+    local_reclaim_set,
+    node_memory_floor,
+    remote_reclaim_set,
+    retention_floor,
+)
 from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
@@ -192,3 +199,77 @@ def test_reclaim_remote_keeps_bases_and_one_more_interval_of_diffs(tmp_path):
     for pid in gone:
         keys = [k for k in store.deleted if k.startswith(pid.dirname + "/")]
         assert keys[0] == commit_key(pid) and len(keys) == 3
+
+
+# ---- checkpoint.remote.base_every = n: Tier-3 gets every n-th base, node memory every base, both every batch ----
+
+def _cadence_units(every: int, interval: int, batch: int, end: int) -> tuple[set[PayloadId], set[PayloadId]]:
+    """(node memory, Tier-3) of a run from anchor 0 at batch end ``end``, before any reclaim: node memory has
+    every base, Tier-3 every n-th (``cadence.uploads_base``); both have every closed diff batch."""
+    diffs = {PayloadId.diff(f, f + batch - 1) for f in range(1, end - batch + 2, batch)}
+    node = {PayloadId.base(v) for v in range(0, end + 1, interval)} | diffs
+    remote = {PayloadId.base(v) for v in range(0, end + 1, interval) if uploads_base(v, 0, interval, every)} | diffs
+    return node, remote
+
+
+@pytest.mark.parametrize("every, end, watermark, tier3_kept", [
+    # Tier-3 bases 0, 20, 40, 60 (every second of a base every 10 steps); W is the newest committed one.
+    (2, 55, 40, {20, 40}),
+    (2, 60, 60, {40, 60}),
+    (2, 65, 40, {20, 40, 60}),  # base 60 uploaded, not yet known to every rank: W is still 40
+    # Tier-3 bases 0, 30, 60.
+    (3, 55, 30, {0, 30}),
+    (3, 85, 60, {30, 60}),
+])
+def test_base_every_tier3_keeps_its_newest_bases_and_every_batch_after_the_one_before_w(every, end, watermark,
+                                                                                        tier3_kept):
+    interval, batch = 10, 5
+    _, remote = _cadence_units(every, interval, batch, end)
+    kept = remote - remote_reclaim_set({p: True for p in remote}, watermark, keep_bases=2)
+    assert {p.version for p in kept if p.kind == BASE} == tier3_kept
+    floor = watermark - every * interval  # the committed base before W (none when negative)
+    assert {p for p in kept if p.kind == DIFF} == {p for p in remote if p.kind == DIFF and p.last > floor}
+    # The rack point (W and every batch after it, through the bases Tier-3 skipped) reaches the newest batch,
+    # from W and from the kept base before it alike: it moves every batch, not every n bases.
+    for base in tier3_kept:
+        assert chain_end(base, kept) == end
+
+
+@pytest.mark.parametrize("every, end, watermark, node_kept", [
+    (2, 55, 40, {40, 50}),  # W lags: node memory's own floor (2nd newest base, 40) and W agree
+    (3, 55, 30, {40, 50}),  # W = 30 lags two intervals: node memory reclaims past it, down to its 2nd newest base
+    (3, 60, 60, {60}),  # a new Tier-3 base learned at once: node memory keeps only it
+    (3, 25, 0, {10, 20}),
+])
+def test_base_every_node_memory_reclaims_to_max_of_w_and_its_own_floor(every, end, watermark, node_kept):
+    """What Tier-1/Tier-2 may delete given W: everything below max(W, the 2nd newest base), never the newest
+    base and its chain (the software and node recovery points); the rack point lives on Tier-3 alone."""
+    interval, batch = 10, 5
+    node, _ = _cadence_units(every, interval, batch, end)
+    below = node_memory_floor(watermark, retention_floor(node, 2))
+    kept = node - local_reclaim_set(node, below)
+    assert {p.version for p in kept if p.kind == BASE} == node_kept
+    assert {p for p in kept if p.kind == DIFF} == {p for p in node if p.kind == DIFF and p.last > min(node_kept)}
+    newest = max(node_kept)
+    assert chain_end(newest, kept) == end and chain_end(min(node_kept), kept) == end
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([1, 2, 5]), st.integers(1, 4), st.integers(1, 40), st.integers(1, 3),
+       st.integers(1, 3), st.data())
+def test_base_every_reclaim_keeps_every_recovery_point(every, batch, per_base, batches, keep_bases, lag, data):
+    """For any n, interval, run length and watermark lag: after both reclaims, Tier-3 alone still reaches the
+    newest batch from W, and node memory from its newest base."""
+    interval = batch * per_base
+    end = batch * batches
+    node, remote = _cadence_units(every, interval, batch, end)
+    tier3_bases = sorted(p.version for p in remote if p.kind == BASE)
+    watermark = tier3_bases[max(0, len(tier3_bases) - lag)]  # W may lag the newest Tier-3 base
+    kept3 = remote - remote_reclaim_set({p: True for p in remote}, watermark, keep_bases)
+    assert chain_end(watermark, kept3) == end
+    assert all(PayloadId.base(v) in kept3 for v in tier3_bases if v >= watermark)
+    keep_node = data.draw(st.integers(1, 3))
+    kept1 = node - local_reclaim_set(node, node_memory_floor(watermark, retention_floor(node, keep_node)))
+    newest = max(p.version for p in node if p.kind == BASE)
+    assert PayloadId.base(newest) in kept1 and chain_end(newest, kept1) == end
+    assert len([p for p in kept1 if p.kind == BASE]) <= keep_node  # bounded whatever n and the lag of W
