@@ -152,12 +152,20 @@ def test_node_failure_serves_the_lost_node_from_tier2(tmp_path, drill_reference)
 
 @pytest.mark.timeout(600)
 def test_rack_failure_recovers_from_tier3(tmp_path, drill_reference):
-    report = drill(tmp_path, "--fail", "rack", "--at-step", "17")
+    """With a base every 10 steps and checkpoint.remote.base_every=2, node memory had bases 0 and 10 and Tier-3
+    base 0 only: the rack recovery replays from base 0 through the skipped base 10 (diffs go to Tier-3 every
+    batch), bit-identical."""
+    overrides = [*DRILL, "checkpoint.base_interval=10", "checkpoint.remote.base_every=2"]
+    report = drill(tmp_path, "--fail", "rack", "--at-step", "17", overrides=overrides)
     assert report["ok"], report["stdout"]
     (rec,) = report["recoveries"]
     assert rec["failure_class"] == "rack" and all(t == ["tier3"] for t in rec["rank_tiers"])
     assert rec["bytes_tier1"] == rec["bytes_tier2"] == 0 < rec["bytes_tier3"]
+    assert rec["version"] == 0 and rec["end"] >= 10, rec  # base 10 never went to Tier-3, batch 6-10 did
     assert report["final_digest"] == drill_reference
+    # The relaunch counts from its anchor E: E goes to Tier-3, E + 10 does not.
+    bases = RemoteReader(open_remote_store(str(tmp_path / "work" / JOB / "remote"), JOB), JOB).committed_bases()
+    assert rec["end"] in bases and rec["end"] + 10 not in bases, bases
 
 
 @pytest.mark.timeout(600)
