@@ -72,8 +72,9 @@ class BaseCapturer:
                 self._capture = None
         k = self.cfg.capture_steps
         if (since + k - 1) % self.cfg.base_interval == 0:
-            scheduler = self._schedule_part if self.schedule is not None else None
-            self._capture = SpreadCapture(self.shard, step + k - 1, k, scheduler)
+            scheduled = self.schedule is not None
+            self._capture = SpreadCapture(self.shard, step + k - 1, k, self._schedule_part if scheduled else None,
+                                          self._copier if scheduled else None)
             first = self._capture.after_step(step)  # part 0; a base already when k = 1 and it is copied now
             if first is not None:
                 base, how, self._capture = first, "spread", None

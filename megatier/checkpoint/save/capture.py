@@ -30,7 +30,7 @@ import torch
 
 from megatier import ops
 from megatier.checkpoint.format.payload import BaseState
-from megatier.checkpoint.save.step_ops import ScheduledCopy
+from megatier.checkpoint.save.step_ops import Copier, ScheduledCopy
 from megatier.checkpoint.shard import ShardAccess
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
@@ -68,7 +68,7 @@ class SpreadCapture:
     """
 
     def __init__(self, shard: ShardAccess, version: int, parts: int,
-                 schedule_part: Optional[Callable[[int, int], ScheduledCopy]] = None):
+                 schedule_part: Optional[Callable[[int, int], ScheduledCopy]] = None, copier: Optional[Copier] = None):
         if parts < 1:
             raise ValueError(f"a spread capture needs at least one part, got {parts}")
         self.shard, self.version, self.k = shard, version, parts
@@ -76,6 +76,7 @@ class SpreadCapture:
         self.bounds = part_bounds(shard.numel, parts)
         self.parts: list[_Part] = []
         self._schedule_part = schedule_part
+        self._copier = copier  # with a schedule: keeps the gradient slices off the loop too (done by the next update)
         self._pending: Optional[tuple[int, int, ScheduledCopy]] = None  # (lo, hi, its copy) during this step
         self._scalars: Optional[BaseState] = None
 
@@ -99,8 +100,9 @@ class SpreadCapture:
             self._complete_pending(step)
         if step <= self.version:
             grad, lr, adam_step, skipped = self.shard.consumed()
-            for part in self.parts:  # every part here holds a version before ``step``
-                part.grads.append(None if skipped else grad[part.lo:part.hi].to("cpu", copy=True))
+            kept = [None if skipped else self._keep(grad[p.lo:p.hi]) for p in self.parts]
+            for part, slice_ in zip(self.parts, kept):  # every part here holds a version before ``step``
+                part.grads.append(slice_)
                 part.steps.append(adam_step)
                 part.lrs.append(lr)
                 part.skipped.append(skipped)
@@ -116,6 +118,15 @@ class SpreadCapture:
             self._pending[2].finish()
             self._complete_pending(None)
         return self._result()
+
+    def _keep(self, grad: torch.Tensor) -> torch.Tensor:
+        """A host copy of a gradient slice: now, or by the copier (the gradient is never written again, and
+        the next update, or :meth:`flush`, waits for the copy before the parts are used)."""
+        if self._copier is None:
+            return grad.to("cpu", copy=True)
+        out = self._copier.host_buffer(grad.numel())
+        self._copier.submit([(grad, out)])
+        return out
 
     def _take_part(self, j: int) -> None:
         if j != len(self.parts):

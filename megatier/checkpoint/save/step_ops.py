@@ -129,6 +129,7 @@ class Copier:
         self._pool = None if self._stream is not None else ThreadPoolExecutor(
             1, thread_name_prefix="megatier-capture", initializer=demote_current_thread)
         self._pending: list[Future] = []
+        self._inflight: list = []  # CUDA: the tensors of copies not yet waited for (their memory must not be reused)
 
     def host_buffer(self, numel: int) -> torch.Tensor:
         """Where a chunk lands: host memory (pinned on CUDA, so the copy is asynchronous)."""
@@ -144,11 +145,13 @@ class Copier:
         with torch.cuda.stream(self._stream):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
+        self._inflight.append(pairs)
 
     def wait(self) -> None:
         """Every copy issued so far is complete (the sources may change, the destinations be read)."""
         if self._stream is not None:
             self._stream.synchronize()
+            self._inflight = []
             return
         pending, self._pending = self._pending, []
         for future in pending:
