@@ -65,6 +65,9 @@ class DurableCadence(Tier):
             return
         self.tier.put(payload)
 
+    def set_base_interval(self, steps: int) -> None:
+        self.base_interval = steps  # base_interval=auto: decided before any base after the anchor
+
     def list(self) -> Listing:
         return self.tier.list()
 

@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatier.checkpoint.auto_interval import initial_interval
 from megatier.checkpoint.comm import CheckpointComm, GroupComm
 from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
 from megatier.checkpoint.tiers.base import Tier
@@ -120,7 +121,7 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
         else:
             replicator = PeerReplicator(memory, rank=ps.rank, holder_rank=ps.replica_holder_rank,
                                         owner_rank=ps.replica_owner_rank, group=transfer_group,
-                                        base_interval=cfg.base_interval,
+                                        base_interval=initial_interval(cfg),
                                         max_chunk_bytes=int(cfg.peer.max_chunk_mib * (1 << 20)),
                                         timeout_s=timeout_s, fault_hook=fault)
             tiers.append(PeerTier(memory, replicator, keep_bases=cfg.local.keep_bases, fault=fault, lists=lists))

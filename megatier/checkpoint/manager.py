@@ -43,6 +43,7 @@ from typing import Optional, Union
 
 from torch import nn
 
+from megatier.checkpoint.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
 from megatier.checkpoint.cadence import save_thread_tiers
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import EncodedPayload, draft_diff_batch
@@ -115,12 +116,15 @@ class CheckpointManager:
         self.watermark: Optional[int] = None
         self._syncs: list = []  # started watermark syncs not yet applied: (step, tiers, PendingInts)
         self.capture = BaseCapturer(self.cfg, shard, model, rank=ctx.rank)  # ``model``: for the capture schedule
+        self._auto: Optional[CostMeter] = None  # base_interval=auto until its decision
+        self._once: dict = {}  # figures for the next step's record only
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = self._degraded_warned = 0.0
         self._step_tiers = [t for t in saving if t.takes_steps] if self.cfg.diff.per_step else []
         # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes (cadence.py).
-        worker_tiers = save_thread_tiers([t for t in saving if not t.lockstep], base_interval=self.cfg.base_interval,
+        worker_tiers = save_thread_tiers([t for t in saving if not t.lockstep],
+                                         base_interval=initial_interval(self.cfg),
                                          base_every=self.cfg.remote.base_every, anchor=lambda: self.anchor)
         self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=worker_tiers,
                                  keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
@@ -146,7 +150,12 @@ class CheckpointManager:
         # Re-base at the resume point: every tier gets a fresh anchor (a replaced node's
         # Tier-1 is empty), and the diff batches that follow are aligned to it.
         self.anchor = self.capture.anchor = start
+        if self.cfg.base_interval == "auto":
+            self._auto = CostMeter(self.cfg, start)
+        started = time.perf_counter()
         self.worker.submit_base(self.shard.capture_base(start))
+        if self._auto is not None:
+            self._auto.anchor_capture_s = time.perf_counter() - started
         self._handoff = [PayloadId.base(start)]
         self._step = start
         return start, record
@@ -170,6 +179,8 @@ class CheckpointManager:
         of the save path held the loop (``ckpt_<part>_ms``; the whole stall is measured by the caller)."""
         self._step = step
         since = step - self.anchor
+        if self._auto is not None:
+            self._auto.step_done()
         clock = _PhaseClock()
         # Compressed here, by the loop's own thread team (on a GPU, kernels on the training stream, as in
         # TierCheck): ~1 ms for a few million elements on two cores, where a helper thread doing it
@@ -196,10 +207,30 @@ class CheckpointManager:
         clock.lap("tick")
         self._enforce_budget()
         clock.lap("budget")
+        if self._auto is not None and step == self._auto.decide_at:
+            self._choose_interval()
         if closes:
             self._sync(step)
         clock.lap("sync")
         return self._metrics(clock.laps)
+
+    def _choose_interval(self) -> None:
+        """base_interval=auto at the end of its warm-up: every rank's costs gathered, the same interval taken by
+        all (:mod:`.auto_interval`); a one-time stall (the save thread drains so the anchor base's time is known)."""
+        self._absorb_syncs(block=True)  # no other collective of the comm in flight
+        self.worker.flush(self.ctx.timeout_s)
+        o = self.shard.optimizer
+        mine = self._auto.figures(save_thread_base_s=self.worker.base_seconds[0] if self.worker.base_seconds else 0.0,
+                                  upload_s=self._last.get("t3_base_upload_s"), node=self.ctx.node,
+                                  replay_s=replay_seconds_per_step(o.master, o.cfg, o.decay_ranges))
+        choice, costs, mtbf = decide(self.cfg, self.ctx.comm.gather(mine, what="the base interval decision"))
+        self._auto = None
+        self.capture.interval = choice.interval
+        for tier in [*self.ctx.tiers, *self.worker.tiers]:
+            tier.set_base_interval(choice.interval)
+        self._once = {"base_interval": choice.interval, "base_interval_goodput": choice.goodput}
+        if self.ctx.rank == 0:
+            log.info("%s", choice.describe(costs, mtbf))
 
     def _save_step_unit(self, record) -> None:
         """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
@@ -299,6 +330,8 @@ class CheckpointManager:
         self._reported = {"diff": diff_total, "base": base_total}
         out.update(self._last)
         out.update(self.capture.metrics())
+        out.update(self._once)
+        self._once = {}
         return out
 
     def close(self, timeout: Optional[float] = None) -> dict:

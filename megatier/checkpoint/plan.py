@@ -239,6 +239,11 @@ def plan(cfg: Config, cluster: Cluster) -> SizePlan:
     with warnings.catch_warnings(record=True) as caught:  # what the topology changes goes into the plan's notes
         warnings.simplefilter("always", CheckpointConfigWarning)
         ckpt = effective_checkpoint_config(cfg.checkpoint, cluster.nodes)
+    notes = [str(w.message) for w in caught]
+    if ckpt.base_interval == "auto":  # chosen at run time: plan the largest it may take, the most memory
+        ckpt = dataclasses.replace(ckpt, base_interval=ckpt.auto_max_interval)
+        notes.append(f"base_interval=auto is chosen at run time; planned at its largest, auto_max_interval="
+                     f"{ckpt.auto_max_interval}")
     cfg = dataclasses.replace(cfg, checkpoint=ckpt)
     vocab = vocab_size(cfg)
     p = cfg.parallel
@@ -248,4 +253,4 @@ def plan(cfg: Config, cluster: Cluster) -> SizePlan:
         tp_rank, dp_rank, pp_rank = coordinates_of(rank, tp=p.tp, dp=dp)
         layout = Layout(p.tp, p.pp, dp, tp_rank, pp_rank, dp_rank)
         ranks.append(rank_sizes(cfg, layout, cluster.node_of(rank), vocab[0]))
-    return SizePlan(ckpt, cluster, vocab, ranks, [str(w.message) for w in caught])
+    return SizePlan(ckpt, cluster, vocab, ranks, notes)

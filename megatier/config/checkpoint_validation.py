@@ -57,14 +57,44 @@ BASE_CAPTURES = ("snapshot", "spread")
 CAPTURE_SCHEDULES = ("checkflow", "none")
 
 
-def _check_streams(cfg: CheckpointConfig) -> None:
+def _check_interval(cfg: CheckpointConfig) -> None:
     d = cfg.diff
-    _require(cfg.base_interval > 0, f"checkpoint.base_interval={cfg.base_interval} must be positive")
     _require(d.batch > 0, f"checkpoint.diff.batch={d.batch} must be positive")
+    if cfg.base_interval == "auto":
+        _check_auto(cfg)
+        return
+    _require(isinstance(cfg.base_interval, int) and not isinstance(cfg.base_interval, bool)
+             and cfg.base_interval > 0,
+             f"checkpoint.base_interval={cfg.base_interval!r} must be a positive number of steps or auto")
     _require(cfg.base_interval % d.batch == 0,
              f"checkpoint.base_interval={cfg.base_interval} is not a multiple of checkpoint.diff.batch={d.batch}; "
              f"diff batches must not straddle a base, so choose e.g. base_interval="
              f"{max(d.batch, cfg.base_interval // d.batch * d.batch)}")
+    _require(1 <= cfg.capture_steps <= cfg.base_interval,
+             f"checkpoint.capture_steps={cfg.capture_steps} must be between 1 and checkpoint.base_interval="
+             f"{cfg.base_interval}: a spread base is captured over the steps that end at its version")
+
+
+def _check_auto(cfg: CheckpointConfig) -> None:
+    given = [k for k in ("mtbf_hours", "node_mtbf_hours") if getattr(cfg, k) is not None]
+    _require(len(given) == 1, "checkpoint.base_interval=auto needs the failure rate it optimises for: set exactly "
+             f"one of checkpoint.mtbf_hours (the cluster's) or checkpoint.node_mtbf_hours (each node's); got "
+             f"{', '.join(given) or 'neither'}")
+    _require(getattr(cfg, given[0]) > 0, f"checkpoint.{given[0]}={getattr(cfg, given[0])} must be positive")
+    batch = cfg.diff.batch
+    _require(cfg.auto_warmup_steps > 0 and cfg.auto_warmup_steps % batch == 0,
+             f"checkpoint.auto_warmup_steps={cfg.auto_warmup_steps} must be a positive multiple of "
+             f"checkpoint.diff.batch={batch} (the interval is chosen at a batch end)")
+    _require(cfg.capture_steps >= 1, f"checkpoint.capture_steps={cfg.capture_steps} must be at least 1")
+    lowest = -(-(cfg.auto_warmup_steps + cfg.capture_steps) // batch) * batch
+    _require(cfg.auto_max_interval >= lowest,
+             f"checkpoint.auto_max_interval={cfg.auto_max_interval} is below the smallest interval auto can "
+             f"take, {lowest} (auto_warmup_steps + capture_steps in whole diff batches)")
+
+
+def _check_streams(cfg: CheckpointConfig) -> None:
+    d = cfg.diff
+    _check_interval(cfg)
     _require(d.compression in COMPRESSIONS,
              f"checkpoint.diff.compression={d.compression!r} must be one of {', '.join(COMPRESSIONS)}")
     _require(0.0 < d.topk_ratio <= 1.0, f"checkpoint.diff.topk_ratio={d.topk_ratio} must be in (0, 1]")
@@ -75,9 +105,6 @@ def _check_streams(cfg: CheckpointConfig) -> None:
              f"checkpoint.base_capture={cfg.base_capture!r} must be one of {', '.join(BASE_CAPTURES)}")
     _require(cfg.capture_schedule in CAPTURE_SCHEDULES,
              f"checkpoint.capture_schedule={cfg.capture_schedule!r} must be one of {', '.join(CAPTURE_SCHEDULES)}")
-    _require(1 <= cfg.capture_steps <= cfg.base_interval,
-             f"checkpoint.capture_steps={cfg.capture_steps} must be between 1 and checkpoint.base_interval="
-             f"{cfg.base_interval}: a spread base is captured over the steps that end at its version")
 
 
 def _nearest_existing(path: str) -> str:

@@ -6,7 +6,7 @@ root.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 class ConfigError(ValueError):
@@ -175,8 +175,16 @@ class CheckpointConfig:
 
     enabled: bool = False
     tiers: list[str] = field(default_factory=lambda: ["local", "peer", "remote"])
-    # Steps between base checkpoints; must be a multiple of diff.batch.
-    base_interval: int = 50
+    # Steps between base checkpoints: a multiple of diff.batch, or "auto" (chosen after a warm-up from the
+    # measured costs and the MTBF; megatier.checkpoint.auto_interval, docs/goodput.md).
+    base_interval: Union[int, str] = 50
+    # base_interval=auto: the cluster's mean time between failures in hours, or each node's (the cluster's is
+    # then node_mtbf_hours / nodes); exactly one of the two. The warm-up (steps without a base after the
+    # anchor, a multiple of diff.batch) and the largest interval auto may choose.
+    mtbf_hours: Optional[float] = None
+    node_mtbf_hours: Optional[float] = None
+    auto_warmup_steps: int = 10
+    auto_max_interval: int = 5000
     # How a base leaves the optimizer: "snapshot" (the whole shard copied at the base step) or "spread"
     # (capture_steps parts, one per step ending at the base step, reconciled by replay; see
     # megatier.checkpoint.save.capture).

@@ -79,6 +79,7 @@ class Uploader:
         self._failing_since: Optional[float] = None  # first failure since the last success
         self._warned_at = 0.0
         self.skipped = 0  # queued units dropped because a newer base superseded them
+        self.base_upload_s: Optional[float] = None  # the last base's upload and marker, seconds (retries included)
         self._thread = helper_thread(self._run, f"megatier-t3-upload-rank{rank}")
         self._thread.start()
 
@@ -189,12 +190,15 @@ class Uploader:
     def _upload(self, payload: EncodedPayload) -> None:
         stamp = payload.stamp
         key = object_key(stamp)
+        start = time.perf_counter()
         self._persist(lambda: self.store.put_from(key, payload.data, payload.source),
                       f"uploading {stamp.pid} of rank {self.rank}")
         self.fault_hook(CrashPoint.T3_BEFORE_MARKER, stamp.pid.version)
         marker = DoneMarker(key, stamp, self.incarnation).to_json()
         self._persist(lambda: self.store.put(marker_key(stamp.pid, self.rank), marker),
                       f"writing the done marker of {stamp.pid} of rank {self.rank}")
+        if stamp.pid.kind == BASE:
+            self.base_upload_s = time.perf_counter() - start
         if self.on_done is not None:
             self.on_done(stamp.pid)
 

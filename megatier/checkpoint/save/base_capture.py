@@ -12,8 +12,9 @@
   copied at the end of their step.
 
 Bases are at the anchor (a snapshot, taken by the manager) and every
-``base_interval`` steps after it; a capture never overlaps the next one
-(``capture_steps <= base_interval``).
+:attr:`BaseCapturer.interval` steps after it (``base_interval``, or the one
+``auto`` chose); a capture never overlaps the next one (``capture_steps`` is
+at most the interval).
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ class BaseCapturer:
     def __init__(self, cfg: CheckpointConfig, shard: ShardAccess, model: Optional[nn.Module], *, rank: int):
         self.cfg, self.shard, self.rank = cfg, shard, rank
         self.anchor = 0
+        # Steps between bases; None (base_interval=auto, before its decision): no base after the anchor yet.
+        self.interval: Optional[int] = cfg.base_interval if cfg.base_interval != "auto" else None
         self.schedule: Optional[CaptureSchedule] = None
         self._capture: Optional[SpreadCapture] = None
         self._report: dict = {}
@@ -62,8 +65,8 @@ class BaseCapturer:
         self._plan(step)
         since = step - self.anchor
         if self.cfg.base_capture != "spread":
-            return self._handed(self.shard.capture_base(step), "snapshot") if since % self.cfg.base_interval == 0 \
-                else None
+            due = self.interval is not None and since % self.interval == 0
+            return self._handed(self.shard.capture_base(step), "snapshot") if due else None
         base, how = None, "spread"
         if self._capture is not None:
             how = "scheduled" if self._capture.scheduled else "spread"
@@ -71,7 +74,7 @@ class BaseCapturer:
             if base is not None:
                 self._capture = None
         k = self.cfg.capture_steps
-        if (since + k - 1) % self.cfg.base_interval == 0:
+        if self.interval is not None and (since + k - 1) % self.interval == 0:
             scheduled = self.schedule is not None
             self._capture = SpreadCapture(self.shard, step + k - 1, k, self._schedule_part if scheduled else None,
                                           self._copier if scheduled else None)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -79,6 +80,7 @@ class SaveWorker:
         # Counters read by the loop for metrics.
         self.diff_bytes = 0  # compressed record bytes produced so far
         self.base_bytes = 0  # base payload bytes produced so far
+        self.base_seconds: list[float] = []  # this thread's time to encode and store each base (base_interval=auto)
         self._thread = None if inline else helper_thread(self._run, f"megatier-save-rank{layout.rank}")
         if self._thread is not None:
             self._thread.start()
@@ -170,8 +172,11 @@ class SaveWorker:
                     tier.reclaim(job.watermark)
                 draft = None
             else:
+                start = time.perf_counter()
                 draft = self._diff(job) if isinstance(job, _DiffJob) else self._base(job)
             payload = self._store(draft) if draft is not None else None
+            if draft is not None and draft.pid.kind == BASE:
+                self.base_seconds.append(time.perf_counter() - start)
         except BaseException as e:  # keep the cause for the loop; stop saving (nothing half-visible)
             with self._cv:
                 self._error = e

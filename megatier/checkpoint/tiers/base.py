@@ -176,6 +176,9 @@ class Tier(abc.ABC):
         """Per-step figures of this tier for the metrics record."""
         return {}
 
+    def set_base_interval(self, steps: int) -> None:
+        """The steps between bases from now on (base_interval=auto decided it); for tiers that pace by it."""
+
     def drain(self, step: int, timeout: float) -> None:
         """At close, on every rank at the same ``step``: finish moving what this tier was given."""
 

@@ -85,6 +85,9 @@ class PeerTier(ReplicaArea):
         self.keep_bases = keep_bases
         self._due: dict[str, EncodedPayload] = {}  # put this step, handed over at the tick
 
+    def set_base_interval(self, steps: int) -> None:
+        self.replicator.base_interval = steps  # read by the replicator thread when it plans the next base
+
     def where(self) -> str:
         return f"Tier-2 (rank {self.replicator.holder}, on the next node of the ring)"
 

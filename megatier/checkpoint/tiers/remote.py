@@ -175,6 +175,10 @@ class RemoteTier(Tier):
     def pending_bytes(self) -> int:
         return self.uploader.status().pending_bytes
 
+    def metrics(self) -> dict:
+        upload = self.uploader.base_upload_s
+        return {} if upload is None else {"t3_base_upload_s": upload}
+
     def lag_cause(self) -> Optional[str]:
         status = self.uploader.status()
         if status.last_error:

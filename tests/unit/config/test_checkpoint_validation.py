@@ -32,7 +32,8 @@ def leaf_keys(obj, prefix: str = "") -> set[str]:
 def test_schema_has_the_documented_keys_and_defaults():
     cfg = CheckpointConfig()
     assert leaf_keys(cfg) == {
-        "enabled", "tiers", "base_interval", "diff.batch", "diff.compression", "diff.topk_ratio",
+        "enabled", "tiers", "base_interval", "mtbf_hours", "node_mtbf_hours", "auto_warmup_steps",
+        "auto_max_interval", "diff.batch", "diff.compression", "diff.topk_ratio",
         "diff.small_threshold", "diff.per_step", "peer.max_chunk_mib", "local.root", "local.keep_bases",
         "local.budget_gib",
         "remote.url", "remote.endpoint_url",
@@ -163,3 +164,25 @@ def test_the_run_records_the_config_it_uses(tiny_config, tmp_path):
     finally:
         trainer.train()
         trainer.close()
+
+
+def test_auto_interval_needs_one_mtbf_and_a_warmup_in_whole_batches(tmp_path):
+    local = dataclasses.replace(CheckpointConfig().local, root=str(tmp_path))
+
+    def check(interval="auto", **kw):
+        check_checkpoint_config(CheckpointConfig(enabled=True, job_id="j", local=local, base_interval=interval, **kw))
+
+    check(mtbf_hours=12.0)
+    check(node_mtbf_hours=1000.0, auto_warmup_steps=20)
+    with pytest.raises(ConfigError, match="exactly one of checkpoint.mtbf_hours"):
+        check()
+    with pytest.raises(ConfigError, match="got mtbf_hours, node_mtbf_hours"):
+        check(mtbf_hours=1.0, node_mtbf_hours=10.0)
+    with pytest.raises(ConfigError, match="mtbf_hours=-1.0 must be positive"):
+        check(mtbf_hours=-1.0)
+    with pytest.raises(ConfigError, match="auto_warmup_steps=7 must be a positive multiple"):
+        check(mtbf_hours=1.0, auto_warmup_steps=7)
+    with pytest.raises(ConfigError, match="auto_max_interval=10 is below the smallest interval auto can take, 15"):
+        check(mtbf_hours=1.0, auto_max_interval=10)
+    with pytest.raises(ConfigError, match="base_interval='often' must be a positive number of steps or auto"):
+        check("often")
