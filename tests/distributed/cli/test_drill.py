@@ -170,7 +170,8 @@ def test_rack_failure_recovers_from_tier3(tmp_path, drill_reference):
 
 @pytest.mark.timeout(600)
 def test_a_spread_base_recovers_bit_identical(tmp_path, drill_reference):
-    """Base 20 captured in 4 parts over steps 17-20 and reconciled by replay; a failure at 27 restores from it."""
+    """Base 20 captured in 4 parts during steps 18-21 (the schedule) and reconciled by replay; a failure at 27
+    restores from it."""
     report = drill(tmp_path, "--fail", "software", "--at-step", "27",
                    overrides=[*DRILL, "checkpoint.base_capture=spread", "checkpoint.capture_steps=4"])
     assert report["ok"], report["stdout"]
