@@ -37,8 +37,10 @@ BYTES_PER_ELEMENT = 4 * len(STATE)  # fp32 master, exp_avg, exp_avg_sq
 class BaseCapturer:
     """The base capture of one rank; the manager calls :meth:`after_step` once per step."""
 
-    def __init__(self, cfg: CheckpointConfig, shard: ShardAccess, model: Optional[nn.Module], *, rank: int):
+    def __init__(self, cfg: CheckpointConfig, shard: ShardAccess, model: Optional[nn.Module], *, rank: int,
+                 stage_dir: Optional[str] = None):
         self.cfg, self.shard, self.rank = cfg, shard, rank
+        self._stage_dir = stage_dir  # node memory for finished parts of a scheduled capture (None: keep them)
         self.anchor = 0
         # Steps between bases; None (base_interval=auto, before its decision): no base after the anchor yet.
         self.interval: Optional[int] = cfg.base_interval if cfg.base_interval != "auto" else None
@@ -77,7 +79,7 @@ class BaseCapturer:
         if self.interval is not None and (since + k - 1) % self.interval == 0:
             scheduled = self.schedule is not None
             self._capture = SpreadCapture(self.shard, step + k - 1, k, self._schedule_part if scheduled else None,
-                                          self._copier if scheduled else None)
+                                          self._copier if scheduled else None, self._stage_dir)
             first = self._capture.after_step(step)  # part 0; a base already when k = 1 and it is copied now
             if first is not None:
                 base, how, self._capture = first, "spread", None

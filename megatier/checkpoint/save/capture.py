@@ -19,10 +19,15 @@ The scalars (Adam step count, LR schedule, loss scaler, data position) are
 those of version B, taken with the last part. The base exists only once the
 last part is in: a failure inside the window leaves the previous base the
 newest one. Bytes held meanwhile: the parts copied so far plus the kept
-gradient slices (at most about 1.5 shards' worth of fp32 for any k).
+gradient slices (at most about 1.5 shards' worth of fp32 for any k); with a
+schedule and node memory (``stage_dir``), each finished part but the last is
+written there by the copier thread and dropped from the process, which then
+holds the part being copied and the gradient slices only, and the save thread
+reads the parts back into the base's own tensors as it reconciles them.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -51,11 +56,42 @@ def clip_ranges(ranges: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 class _Part:
     lo: int
     hi: int
-    state: dict[str, torch.Tensor]  # kind -> (hi - lo,) fp32, the range at the step it was copied
+    state: Optional[dict[str, torch.Tensor]]  # kind -> (hi - lo,) fp32, the range at its step; None: staged
     grads: list[Optional[torch.Tensor]] = field(default_factory=list)  # later steps' gradient slices (None: skipped)
     steps: list[int] = field(default_factory=list)  # their Adam step counts
     lrs: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
+    staged: Optional[str] = None  # the file holding ``state`` (master, exp_avg, exp_avg_sq in order) once written
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of its state in this process (0 once staged)."""
+        state = self.state
+        return sum(t.numel() * 4 for t in state.values()) if state is not None else 0
+
+    def stage(self, path: str) -> None:
+        """Write the state to ``path`` and let it go (on the copier thread, after the part's copy)."""
+        state = self.state
+        with open(path + ".tmp", "wb") as f:
+            for kind in STATE:
+                f.write(state[kind].numpy().tobytes())
+        os.replace(path + ".tmp", path)
+        self.staged = path
+        self.state = None
+
+    def load_into(self, out: dict[str, torch.Tensor]) -> None:
+        """Its state into ``out[kind][lo:hi]``, from memory or from its file (which is then removed)."""
+        if self.state is not None:
+            for kind in STATE:
+                out[kind][self.lo:self.hi].copy_(self.state[kind])
+            return
+        n = self.hi - self.lo
+        with open(self.staged, "rb") as f:
+            for kind in STATE:
+                view = out[kind][self.lo:self.hi].numpy()
+                if f.readinto(memoryview(view).cast("B")) != n * 4:
+                    raise OSError(f"staged capture part {self.staged} is short")
+        os.remove(self.staged)
 
 
 class SpreadCapture:
@@ -68,7 +104,8 @@ class SpreadCapture:
     """
 
     def __init__(self, shard: ShardAccess, version: int, parts: int,
-                 schedule_part: Optional[Callable[[int, int], ScheduledCopy]] = None, copier: Optional[Copier] = None):
+                 schedule_part: Optional[Callable[[int, int], ScheduledCopy]] = None, copier: Optional[Copier] = None,
+                 stage_dir: Optional[str] = None):
         if parts < 1:
             raise ValueError(f"a spread capture needs at least one part, got {parts}")
         self.shard, self.version, self.k = shard, version, parts
@@ -77,6 +114,7 @@ class SpreadCapture:
         self.parts: list[_Part] = []
         self._schedule_part = schedule_part
         self._copier = copier  # with a schedule: keeps the gradient slices off the loop too (done by the next update)
+        self._stage_dir = stage_dir if copier is not None else None  # where finished parts wait (node memory)
         self._pending: Optional[tuple[int, int, ScheduledCopy]] = None  # (lo, hi, its copy) during this step
         self._scalars: Optional[BaseState] = None
 
@@ -87,7 +125,7 @@ class SpreadCapture:
     @property
     def held_bytes(self) -> int:
         """Host bytes this capture holds: the parts copied so far (or being copied) and the kept gradient slices."""
-        state = sum(t.numel() * 4 for p in self.parts for t in p.state.values())
+        state = sum(p.state_bytes for p in self.parts)
         grads = sum(g.numel() * 4 for p in self.parts for g in p.grads if g is not None)
         pending = 3 * 4 * (self._pending[1] - self._pending[0]) if self._pending is not None else 0
         return state + grads + pending
@@ -144,8 +182,12 @@ class SpreadCapture:
         if not copy.done:
             raise RuntimeError(f"spread capture of base v{self.version}: the part [{lo}, {hi}) scheduled for step "
                                f"{step} was not copied before its update")
-        self.parts.append(_Part(lo, hi, copy.destination))
+        part = _Part(lo, hi, copy.destination)
+        self.parts.append(part)
         self._pending = None
+        if self._stage_dir is not None and len(self.parts) < self.k:  # the last part is reconciled at once
+            path = os.path.join(self._stage_dir, f"v{self.version:08d}-part{len(self.parts) - 1}")
+            self._copier.call(lambda: part.stage(path))
 
     def _result(self) -> Optional["Reconcile"]:
         if len(self.parts) < self.k or self._scalars is None:
@@ -171,16 +213,21 @@ class Reconcile:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * 4 for p in self.parts for t in p.state.values())
+        return sum(p.state_bytes for p in self.parts)
 
     def result(self) -> BaseState:
+        """Each part loaded into the base's tensors and replayed there to the base's version."""
         c = self.optim
+        numel = self.parts[-1].hi
+        out = {kind: torch.empty(numel, dtype=torch.float32) for kind in STATE}
         for part in self.parts:
+            part.load_into(out)
             if part.steps:
-                ops.adamw_replay(part.state["master"], part.state["exp_avg"], part.state["exp_avg_sq"],
+                lo, hi = part.lo, part.hi
+                ops.adamw_replay(out["master"][lo:hi], out["exp_avg"][lo:hi], out["exp_avg_sq"][lo:hi],
                                  part.grads, part.steps, part.lrs, c.beta1, c.beta2, c.eps, c.weight_decay,
-                                 clip_ranges(self.decay_ranges, part.lo, part.hi), skipped=part.skipped)
+                                 clip_ranges(self.decay_ranges, lo, hi), skipped=part.skipped)
         for kind in STATE:
-            setattr(self.base, kind, torch.cat([p.state[kind] for p in self.parts]))
+            setattr(self.base, kind, out[kind])
         self.parts = []
         return self.base

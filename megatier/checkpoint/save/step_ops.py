@@ -16,14 +16,16 @@ each module output counted from its forward to the start of its backward.
 
 :class:`Copier` runs the copies off the training thread: on CPU a helper
 thread (``copy_`` releases the GIL, so it overlaps the operation it was issued
-in), on CUDA a side stream into pinned host memory. ``wait`` returns when
-every copy issued is complete; the update must not start before that.
+in), on CUDA a side stream into pinned host memory; host-side work (writing a
+finished part to node memory) goes to the same thread, in order. ``wait``
+returns when everything issued is complete; the update must not start before
+that.
 """
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -126,8 +128,8 @@ class Copier:
     def __init__(self, device: torch.device):
         self.device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._pool = None if self._stream is not None else ThreadPoolExecutor(
-            1, thread_name_prefix="megatier-capture", initializer=demote_current_thread)
+        # The copies themselves on CPU, and on both the host-side work (staging a finished part) in order.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatier-capture", initializer=demote_current_thread)
         self._pending: list[Future] = []
         self._inflight: list = []  # CUDA: the tensors of copies not yet waited for (their memory must not be reused)
 
@@ -139,7 +141,7 @@ class Copier:
         if not pairs:
             return
         if self._stream is None:
-            self._pending.append(self._pool.submit(_copy_all, pairs))
+            self.call(lambda: _copy_all(pairs))
             return
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the last update has written them
         with torch.cuda.stream(self._stream):
@@ -147,20 +149,22 @@ class Copier:
                 dst.copy_(src, non_blocking=True)
         self._inflight.append(pairs)
 
+    def call(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the copier's thread after what was given to it before; :meth:`wait` waits for it too."""
+        self._pending.append(self._pool.submit(work))
+
     def wait(self) -> None:
-        """Every copy issued so far is complete (the sources may change, the destinations be read)."""
+        """Every copy and call issued so far is complete (the sources may change, the destinations be read)."""
         if self._stream is not None:
             self._stream.synchronize()
             self._inflight = []
-            return
         pending, self._pending = self._pending, []
         for future in pending:
             future.result()
 
     def close(self) -> None:
         self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
 
 
 def copy_bandwidth(device: torch.device, copier: Copier, *, nbytes: int = 16 << 20, repeats: int = 3) -> float:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Optional
 
@@ -217,6 +218,15 @@ class NodeMemory:
         path = os.path.join(self.store.root, "replica" if replica else "own")
         names = os.listdir(path) if os.path.isdir(path) else []
         return sorted(r for r in (parse_rank_name(n) for n in names) if r is not None)
+
+    def capture_dir(self, rank: int) -> str:
+        """An empty folder where rank ``rank``'s spread base capture keeps finished parts until the base is whole
+        (:mod:`megatier.checkpoint.save.capture`; not units: listings skip it, ``bytes_held`` counts it). What a
+        crashed launch left there is removed: a capture never outlives its launch."""
+        path = os.path.join(self.store.root, "capture", rank_name(rank))
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path, exist_ok=True)
+        return path
 
     def write_progress(self, rank: int, step: int) -> None:
         """Record that ``rank`` reached ``step`` (one tiny atomic file, rewritten every step)."""

@@ -1,6 +1,8 @@
 """Spread base capture: k parts over k steps, reconciled by replay, is bitwise the snapshot at the base step."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -11,6 +13,8 @@ from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.save.capture import SpreadCapture, clip_ranges, part_bounds
 from megatier.checkpoint.tiers.base import JOB as JOB_SCOPE
 from megatier.checkpoint.tiers.base import TIER1, TIER3
+from megatier.checkpoint.tiers.local import LocalTier
+from megatier.checkpoint.tiers.node_memory import NodeMemory
 from tests.unit.checkpoint.memory import JOB, MemoryTier, context, snapshot, step, tiny_shard
 
 pytestmark = pytest.mark.timeout(60)
@@ -130,3 +134,38 @@ def test_a_failure_inside_the_window_keeps_the_previous_base_and_loses_nothing(c
     assert start == crash_at
     want = run["snaps"][crash_at]
     assert all(torch.equal(getattr(opt, kind), want[kind]) for kind in STATE) and opt.adam_steps == want["adam_steps"]
+
+
+def test_staged_parts_leave_the_process_and_come_back_bitwise(tmp_path):
+    """With node memory, finished parts wait in its capture folder: the process holds one part and the
+    gradient slices at most, and the reconciled bases are still the snapshots."""
+    memory = NodeMemory(str(tmp_path), JOB, "node0")
+    tiers = [LocalTier(memory, 0, keep_bases=2), MemoryTier(TIER3, scope=JOB_SCOPE)]
+    ctx = context(tiers, base_interval=10, batch=5)
+    ctx.cfg.base_capture, ctx.cfg.capture_steps = "spread", 4
+    opt, shard = tiny_shard()
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    manager = CheckpointManager(ctx, shard, model=model, inline=True)
+    manager.restore()
+    folder = os.path.join(str(tmp_path), JOB, "node0", "capture", "rank00000")
+    snaps, held, staged = {}, {}, {}
+    for s in range(1, 21):
+        model(torch.randn(16, 32)).sum().backward()
+        step(opt, s)
+        snaps[s] = snapshot(opt)
+        held[s] = manager.after_step(s)["ckpt_capture_bytes"]
+        manager.capture._copier.wait()  # the staging writes of this step are done
+        staged[s] = sorted(os.listdir(folder))
+    manager.close()
+    part = opt.master.numel() // 4 * 12
+    grads = 6 * opt.master.numel() // 4 * 4  # 3 + 2 + 1 slices of a quarter, fp32
+    assert max(held.values()) <= part + 12 * 2 + grads  # part sizes differ by an element at most
+    # Base 10: parts copied during steps 8-11; parts 0-2 staged as they finish, the last one reconciled at once.
+    assert staged[7] == [] and staged[8] == ["v00000010-part0"]
+    assert staged[10] == [f"v00000010-part{j}" for j in range(3)] and staged[11] == []
+    assert staged[20] == [f"v00000020-part{j}" for j in range(3)]  # base 20: its last part copied at close
+    for version in (10, 20):
+        base = decode_base(memory.load(0, PayloadId.base(version)), job_id=JOB, layout=ctx.layout, source="t1")
+        for kind in STATE:
+            assert torch.equal(getattr(base, kind), snaps[version][kind]), (version, kind)
+    assert os.listdir(folder) == []
