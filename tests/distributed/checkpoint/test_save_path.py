@@ -208,8 +208,10 @@ def test_s3_remote_behaves_like_the_directory(tmp_path, corpus_prefix, s3_url):
 def test_remote_failing_its_first_writes_is_retried_and_commits(tmp_path, corpus_prefix):
     _run(tmp_path, corpus_prefix, iters=10, flaky_writes=3)
     store = open_remote_store(str(tmp_path / "remote"), JOB)
-    assert {PayloadId.base(0), PayloadId.base(10), PayloadId.diff(1, 5), PayloadId.diff(6, 10)} <= {
-        c.pid for c in RemoteReader(store, JOB).committed()}
+    # The bases are retried until they commit. Diff batches 1-5 and 6-10 commit too unless base 10 reached the
+    # uploader while it was still backing off: then it supersedes them (the backlog of an outage stays one
+    # interval), so they are not required here.
+    assert {PayloadId.base(0), PayloadId.base(10)} <= {c.pid for c in RemoteReader(store, JOB).committed()}
 
 
 def test_reclamation_bounds_tier1_and_tier2_over_300_steps(tmp_path, corpus_prefix):

@@ -55,11 +55,13 @@ def test_a_tier3_outage_keeps_training_and_node_memory_bounded_then_catches_up(t
     during = records[5:44]
     # Two bases and two intervals of diffs, plus the base the save thread is writing at a sync, plus the open
     # batch's step units: 11, however long the outage (without retention node memory held all 5 bases and 9
-    # batches by step 44).
-    assert max(r["own_units"] for r in records) <= 2 + 2 * (10 // 5) + 1 + (5 - 1)
+    # batches by step 44). A scheduled spread capture (the tiered preset) hands base B over at step B + 1, next
+    # to that step's own unit: one more.
+    late = 1 if cfg.checkpoint.base_capture == "spread" else 0
+    assert max(r["own_units"] for r in records) <= 2 + 2 * (10 // 5) + 1 + (5 - 1) + late
     assert any("Tier-3" in (r.get("degraded") or "") for r in during)
     # The loop never waited out the outage.
-    assert max(sum(v for k, v in r.items() if k.startswith("ckpt_")) for r in records) < 2000
+    assert max(sum(v for k, v in r.items() if k.startswith("ckpt_") and k.endswith("_ms")) for r in records) < 2000
     # Once Tier-3 is back the backlog (one interval, the rest superseded) goes up: by exit all is durable.
     assert summary["checkpoint_behind"] is False and summary["checkpoint_durable_step"] == 60
 
