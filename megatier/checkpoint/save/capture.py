@@ -127,7 +127,7 @@ class SpreadCapture:
         """Host bytes this capture holds: the parts copied so far (or being copied) and the kept gradient slices."""
         state = sum(p.state_bytes for p in self.parts)
         grads = sum(g.numel() * 4 for p in self.parts for g in p.grads if g is not None)
-        pending = 3 * 4 * (self._pending[1] - self._pending[0]) if self._pending is not None else 0
+        pending = self._pending[2].held_bytes if self._pending is not None else 0
         return state + grads + pending
 
     def after_step(self, step: int) -> Optional["Reconcile"]:

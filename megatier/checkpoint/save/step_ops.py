@@ -192,13 +192,21 @@ class ScheduledCopy:
 
     def __init__(self, sources: dict[str, torch.Tensor], schedule: CaptureSchedule, copier: Copier):
         self.sources, self.copier = sources, copier
-        self.destination = {k: copier.host_buffer(src.numel()) for k, src in sources.items()}
+        # Allocated at the first copy (in the step that copies it), by when the copier thread has staged the
+        # part before it: the process holds one part at a time.
+        self.destination: Optional[dict[str, torch.Tensor]] = None
         self._by_op: dict[int, list[Chunk]] = {}
         for chunk, op in zip(schedule.chunks, schedule.ops):
             self._by_op.setdefault(op, []).append(chunk)
         self.done = False
 
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.numel() * 4 for t in self.destination.values()) if self.destination is not None else 0
+
     def _copy(self, chunks: list[Chunk]) -> None:
+        if self.destination is None:
+            self.destination = {k: self.copier.host_buffer(src.numel()) for k, src in self.sources.items()}
         self.copier.submit([(src[c.lo:c.hi], self.destination[k][c.lo:c.hi])
                             for c in chunks for k, src in self.sources.items()])
 
