@@ -72,9 +72,9 @@ class _Part:
     def stage(self, path: str) -> None:
         """Write the state to ``path`` and let it go (on the copier thread, after the part's copy)."""
         state = self.state
-        with open(path + ".tmp", "wb") as f:
+        with open(path + ".tmp", "wb", buffering=0) as f:  # unbuffered: each write releases the GIL, no copy
             for kind in STATE:
-                f.write(state[kind].numpy().tobytes())
+                f.write(memoryview(state[kind].numpy()).cast("B"))
         os.replace(path + ".tmp", path)
         self.staged = path
         self.state = None
@@ -138,9 +138,11 @@ class SpreadCapture:
             self._complete_pending(step)
         if step <= self.version:
             grad, lr, adam_step, skipped = self.shard.consumed()
-            kept = [None if skipped else self._keep(grad[p.lo:p.hi]) for p in self.parts]
-            for part, slice_ in zip(self.parts, kept):  # every part here holds a version before ``step``
-                part.grads.append(slice_)
+            # One copy covers every part here (contiguous from the shard's start); each keeps its view of it.
+            lo = self.parts[0].lo if self.parts else 0
+            kept = None if skipped or not self.parts else self._keep(grad[lo:self.parts[-1].hi])
+            for part in self.parts:  # every part here holds a version before ``step``
+                part.grads.append(None if kept is None else kept[part.lo - lo:part.hi - lo])
                 part.steps.append(adam_step)
                 part.lrs.append(lr)
                 part.skipped.append(skipped)
