@@ -31,17 +31,16 @@ import torch
 from megatier import ops
 from megatier.checkpoint.interval import IntervalChoice, IntervalCosts, choose_interval, failures_per_step
 from megatier.config import CheckpointConfig
+from megatier.config.checkpoint_validation import auto_min_interval
 
 REPLAY_SAMPLE = 1 << 20  # elements of the shard the replay is timed on
 REPLAY_STEPS = 4
 
 
 def provisional_interval(cfg: CheckpointConfig) -> int:
-    """The smallest interval ``auto`` may choose: the warm-up plus a capture window, in whole diff batches.
-    Until the decision it stands in wherever a number is needed (Tier-2 pacing)."""
-    batch = cfg.diff.batch
-    low = cfg.auto_warmup_steps + cfg.capture_steps
-    return -(-low // batch) * batch
+    """The smallest interval ``auto`` may choose (:func:`~megatier.config.checkpoint_validation.auto_min_interval`);
+    until the decision it stands in wherever a number is needed (Tier-2 pacing)."""
+    return auto_min_interval(cfg)
 
 
 def initial_interval(cfg: CheckpointConfig) -> int:

@@ -75,6 +75,13 @@ def _check_interval(cfg: CheckpointConfig) -> None:
              f"{cfg.base_interval}: a spread base is captured over the steps that end at its version")
 
 
+def auto_min_interval(cfg: CheckpointConfig) -> int:
+    """The smallest interval ``base_interval=auto`` may choose: the warm-up plus a capture window, in whole diff
+    batches (the first base's capture starts after the decision)."""
+    batch = cfg.diff.batch
+    return -(-(cfg.auto_warmup_steps + cfg.capture_steps) // batch) * batch
+
+
 def _check_auto(cfg: CheckpointConfig) -> None:
     given = [k for k in ("mtbf_hours", "node_mtbf_hours") if getattr(cfg, k) is not None]
     _require(len(given) == 1, "checkpoint.base_interval=auto needs the failure rate it optimises for: set exactly "
@@ -86,7 +93,7 @@ def _check_auto(cfg: CheckpointConfig) -> None:
              f"checkpoint.auto_warmup_steps={cfg.auto_warmup_steps} must be a positive multiple of "
              f"checkpoint.diff.batch={batch} (the interval is chosen at a batch end)")
     _require(cfg.capture_steps >= 1, f"checkpoint.capture_steps={cfg.capture_steps} must be at least 1")
-    lowest = -(-(cfg.auto_warmup_steps + cfg.capture_steps) // batch) * batch
+    lowest = auto_min_interval(cfg)
     _require(cfg.auto_max_interval >= lowest,
              f"checkpoint.auto_max_interval={cfg.auto_max_interval} is below the smallest interval auto can "
              f"take, {lowest} (auto_warmup_steps + capture_steps in whole diff batches)")
