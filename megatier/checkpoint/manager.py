@@ -334,6 +334,8 @@ class CheckpointManager:
         out.update(self.capture.metrics())
         out.update(self._once)
         self._once = {}
+        if self.shard.inexact_since is not None:  # a last-resort recovery rebuilt a stage: not the exact run
+            out["inexact_since"] = self.shard.inexact_since
         return out
 
     def close(self, timeout: Optional[float] = None) -> dict:

@@ -170,6 +170,8 @@ class _PlannedOptimizer:
     schedule: WarmupCosine
     scaler: Optional[DynamicLossScaler]
     adam_steps: int
+    last_sumsq: Optional[torch.Tensor] = None
+    lr_scale: float = 1.0
 
 
 def rank_sizes(cfg: Config, layout: Layout, node: int, vocab: int) -> RankSizes:

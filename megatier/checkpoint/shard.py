@@ -46,6 +46,9 @@ class ShardAccess:
     # Error feedback of a lossy diff stream: what the records since the last base left out of the gradients
     # (shape of the shard, fp32, on the gradient's device; None until the first lossy record).
     residual: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
+    # The step since which the state is not exact: a last-resort recovery (CheckFree) rebuilt a pipeline stage
+    # there. Kept in every base, so a later restore still knows.
+    inexact_since: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         o = self.optimizer
@@ -54,6 +57,15 @@ class ShardAccess:
     @property
     def numel(self) -> int:
         return self.optimizer.master.numel()
+
+    @property
+    def grad_sumsq(self) -> Optional[float]:
+        """This rank's part of the squared gradient norm of the step the state is at (None: not known)."""
+        sumsq = self.optimizer.last_sumsq
+        return None if sumsq is None else float(sumsq)
+
+    def set_grad_sumsq(self, value: Optional[float]) -> None:
+        self.optimizer.last_sumsq = None if value is None else torch.tensor(value, dtype=torch.float64)
 
     @property
     def nbytes(self) -> int:
@@ -85,6 +97,7 @@ class ShardAccess:
             data_position={"step": version, "consumed_samples": version * self.global_batch_size},
             rng={"torch_cpu": torch.get_rng_state()},
             segments=[s.to_dict() for s in o.shard_segments],
+            grad_sumsq=self.grad_sumsq, lr_scale=o.lr_scale, inexact_since=self.inexact_since,
         )
 
     def consumed(self) -> tuple[Optional[torch.Tensor], float, int, bool]:
@@ -121,14 +134,18 @@ class ShardAccess:
         if lossy:
             self.residual.sub_(ops.decompress_segments(record))
         tensors = {k: v.contiguous() for k, v in record.tensors.items()}
-        return DiffStep(step, lr, adam_step, False, tensors, record.header), record.nbytes
+        return DiffStep(step, lr, adam_step, False, tensors, record.header, self.grad_sumsq), record.nbytes
 
     # ---- recovery side --------------------------------------------------------------------
 
     def load_base(self, base: BaseState) -> None:
-        """Overwrite the shard with ``base`` (tensors, Adam count, loss scaler); parameters come later."""
+        """Overwrite the shard with ``base`` (tensors, Adam count, loss scaler, CheckFree's scalars); parameters
+        come later."""
         tensors = {name: getattr(base, name) for name in ("master", "exp_avg", "exp_avg_sq")}
         self.load_state(tensors, base.adam_steps, base.loss_scaler, f"base v{base.version}")
+        self.optimizer.lr_scale = base.lr_scale
+        self.set_grad_sumsq(base.grad_sumsq)
+        self.inexact_since = base.inexact_since
 
     def load_state(self, tensors: dict[str, torch.Tensor], adam_steps: int, loss_scaler: Optional[dict],
                    what: str) -> None:
@@ -159,6 +176,7 @@ class ShardAccess:
                          skipped=[s.skipped for s in steps])
         if steps:
             o.adam_steps = steps[-1].adam_step
+            self.set_grad_sumsq(steps[-1].grad_sumsq)
         if o.scaler is not None:
             for s in steps:
                 o.scaler.update(s.skipped)

@@ -10,13 +10,14 @@ from megatier.config.checkpoint_validation import (COMPRESSIONS, TIERS, Checkpoi
                                                    check_checkpoint_config, check_remote_url,
                                                    effective_checkpoint_config)
 from megatier.config.compose import compose_config, register_configs, split_overrides
-from megatier.config.schema import (CheckpointConfig, Config, ConfigError, DataConfig, DiffStreamConfig,
-                                    LocalTierConfig, LoggingConfig, ModelConfig, OptimConfig, ParallelConfig,
-                                    PeerTierConfig, RemoteTierConfig, TrainConfig, WandbConfig)
+from megatier.config.schema import (CheckFreeConfig, CheckpointConfig, Config, ConfigError, DataConfig,
+                                    DiffStreamConfig, LocalTierConfig, LoggingConfig, ModelConfig, OptimConfig,
+                                    ParallelConfig, PeerTierConfig, RemoteTierConfig, TrainConfig, WandbConfig)
 from megatier.config.validation import validate
 
 __all__ = [
-    "COMPRESSIONS", "TIERS", "CheckpointConfig", "CheckpointConfigWarning", "Config", "ConfigError", "DataConfig",
+    "COMPRESSIONS", "TIERS", "CheckFreeConfig", "CheckpointConfig", "CheckpointConfigWarning", "Config",
+    "ConfigError", "DataConfig",
     "DiffStreamConfig", "LocalTierConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig",
     "PeerTierConfig", "RemoteTierConfig", "TrainConfig", "WandbConfig", "check_checkpoint_config",
     "check_remote_url", "compose_config", "effective_checkpoint_config", "register_configs", "split_overrides",

@@ -55,6 +55,8 @@ def _check_tiers(cfg: CheckpointConfig) -> None:
 
 BASE_CAPTURES = ("snapshot", "spread")
 CAPTURE_SCHEDULES = ("checkflow", "none")
+LAST_RESORTS = ("stop", "checkfree")
+CHECKFREE_INITS = ("weighted", "copy", "random")
 
 
 def _check_interval(cfg: CheckpointConfig) -> None:
@@ -170,6 +172,15 @@ def _check_allow_changes(keys: list[str]) -> None:
                  f"as optim.lr or train.seed (see megatier/config/fingerprint.py), or '*' for any change")
 
 
+def _check_last_resort(cfg: CheckpointConfig) -> None:
+    _require(cfg.last_resort in LAST_RESORTS,
+             f"checkpoint.last_resort={cfg.last_resort!r} must be one of {', '.join(LAST_RESORTS)}")
+    cf = cfg.checkfree
+    _require(cf.init in CHECKFREE_INITS,
+             f"checkpoint.checkfree.init={cf.init!r} must be one of {', '.join(CHECKFREE_INITS)}")
+    _require(cf.lr_scale > 0, f"checkpoint.checkfree.lr_scale={cf.lr_scale} must be positive (1.0: unchanged)")
+
+
 def check_checkpoint_config(cfg: CheckpointConfig) -> None:
     """Raise ConfigError naming the field and what to do unless ``cfg`` can work (disabled: always fine)."""
     if not cfg.enabled:
@@ -180,6 +191,7 @@ def check_checkpoint_config(cfg: CheckpointConfig) -> None:
     _check_tiers(cfg)
     _check_streams(cfg)
     _check_allow_changes(cfg.allow_changes)
+    _check_last_resort(cfg)
     if "local" in cfg.tiers:
         _check_local_root(cfg.local.root)
         _require(cfg.local.keep_bases >= 1, f"checkpoint.local.keep_bases={cfg.local.keep_bases} must be >= 1; "

@@ -170,6 +170,19 @@ class RemoteTierConfig:
 
 
 @dataclass
+class CheckFreeConfig:
+    """checkpoint.last_resort=checkfree: a pipeline stage lost from every tier rebuilt from its two neighbours
+    (megatier.checkpoint.recover.checkfree; 002_*.txt section 4.2). Not exact: the run says so from then on."""
+
+    # The rebuilt stage's lr is the schedule's times this factor from the recovery on (the paper's 1.1).
+    lr_scale: float = 1.1
+    # How the stage's weights are rebuilt: "weighted" (the neighbours averaged, each weighted by its last
+    # squared gradient norm: CheckFree), "copy" (the previous stage copied) or "random" (a fresh GPT-2
+    # initialisation); copy and random are the paper's Figure 2 baselines, for comparison.
+    init: str = "weighted"
+
+
+@dataclass
 class CheckpointConfig:
     """Tiered checkpointing (docs/architecture.md); checked by megatier.config.checkpoint_validation."""
 
@@ -204,6 +217,10 @@ class CheckpointConfig:
     # With traces of this job in some tier but no complete base for every rank, start from step 0
     # instead of stopping with an error (a first launch, with no traces at all, always starts fresh).
     allow_fresh_start: bool = False
+    # When a whole pipeline stage is lost from every tier: "stop" with an error naming what is missing, or
+    # "checkfree": rebuild it from its neighbours and go on at their recovery point (inexact; see checkfree).
+    last_resort: str = "stop"
+    checkfree: CheckFreeConfig = field(default_factory=CheckFreeConfig)
     # Config keys a relaunch may change and still resume this job's checkpoints (e.g. [optim.lr]);
     # ["*"] accepts any change. Others are refused, naming the keys (megatier.config.fingerprint).
     allow_changes: list[str] = field(default_factory=list)

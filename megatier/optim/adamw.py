@@ -11,6 +11,10 @@ What the checkpoint system reads (valid after ``step`` returns):
   last_grad                     the exact gradient shard the step consumed
                                 (reduced over dp, unscaled, clipped)
   last_lr, last_skipped         scalars of that step
+  last_sumsq                    this rank's part of that step's squared gradient norm (before clipping;
+                                each element counted on one rank), a float64 0-dim tensor: summed over a
+                                pipeline stage's ranks, the stage's squared gradient norm (CheckFree's weight)
+  lr_scale                      the factor on the schedule's lr (1.0; a stage CheckFree rebuilt runs faster)
   adam_steps                    applied (non-skipped) steps: the bias-correction count
   shard_segments                global names, offsets and shapes in the shard
                                 (shapes are this tp rank's slice; names use
@@ -60,6 +64,8 @@ class DistributedAdamW:
         self.last_grad = torch.zeros_like(self.master)
         self.last_lr = 0.0
         self.last_skipped = False
+        self.last_sumsq: Optional[torch.Tensor] = None
+        self.lr_scale = 1.0
         self._pre_step_hooks: list[Callable[[int], None]] = []
 
     def register_pre_step_hook(self, hook: Callable[[int], None]) -> None:
@@ -77,6 +83,7 @@ class DistributedAdamW:
         local = torch.zeros((), dtype=torch.float64, device=grad.device)
         for start, end in self._norm_ranges:
             local += torch.linalg.vector_norm(grad[start:end], dtype=torch.float64) ** 2
+        self.last_sumsq = local.clone()
         dist.all_reduce(local, group=self.norm_group)
         return float(local)
 
@@ -92,7 +99,7 @@ class DistributedAdamW:
         if self.scaler is not None:
             self.scaler.update(overflow)
         norm = math.sqrt(sumsq) if not overflow else float("inf")
-        lr = self.schedule(iteration)
+        lr = self.schedule(iteration) * self.lr_scale
         self.last_lr, self.last_skipped = lr, overflow
         if overflow:
             # fp16 overflow (or a non-finite loss): nothing is applied; the Adam count does not advance.

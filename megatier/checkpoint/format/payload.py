@@ -11,11 +11,15 @@ unit, so a payload separated from its stamp still says whose it is.
 Base payload tensors: ``master``, ``exp_avg``, ``exp_avg_sq`` (flat fp32 shard,
 shape (shard_size,)) and ``rng/<name>`` (RNG state tensors, e.g. the uint8
 tensor of ``torch.get_rng_state()``). Metadata: version, Adam step count,
-LR-schedule, loss-scaler and data-position state, and the shard segment table.
+LR-schedule, loss-scaler and data-position state, the shard segment table, and
+CheckFree's scalars: the rank's part of the last step's squared gradient norm,
+the lr factor and the step since which the state is not exact (absent in older
+payloads: none, 1.0, none).
 
 Diff batch tensors: ``s<step>/<name>`` for each step's compressed record.
-Metadata per step: step, lr, adam_step, skipped, the record's JSON header and
-its tensor names (a step may have none, e.g. a skipped fp16 step).
+Metadata per step: step, lr, adam_step, skipped, the rank's part of the step's
+squared gradient norm, the record's JSON header and its tensor names (a step may
+have none, e.g. a skipped fp16 step).
 
 Checksums are verified where bytes are read from a tier (the tier loaders call
 :func:`verify_payload`); :func:`decode_base` and :func:`decode_diff_batch`
@@ -157,6 +161,9 @@ class BaseState:
     data_position: dict
     rng: dict[str, torch.Tensor] = field(default_factory=dict)
     segments: list[dict] = field(default_factory=list)
+    grad_sumsq: Optional[float] = None  # this rank's part of step ``version``'s squared gradient norm
+    lr_scale: float = 1.0  # the optimizer's factor on the schedule's lr
+    inexact_since: Optional[int] = None  # the step a last-resort recovery (CheckFree) rebuilt a stage at
 
 
 @dataclass
@@ -169,6 +176,7 @@ class DiffStep:
     skipped: bool
     tensors: dict[str, torch.Tensor]
     header: dict
+    grad_sumsq: Optional[float] = None  # this rank's part of the step's squared gradient norm (None: skipped)
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:
@@ -259,7 +267,8 @@ def draft_base(state: BaseState, *, job_id: str, layout: Layout, fingerprint: st
             raise ValueError(f"base state tensor {name} must be float32, got {t.dtype}")
     tensors.update({f"rng/{name}": _host(t) for name, t in state.rng.items()})
     meta = {"adam_steps": state.adam_steps, "schedule": state.schedule, "loss_scaler": state.loss_scaler,
-            "data_position": state.data_position, "segments": state.segments, "rng": sorted(state.rng)}
+            "data_position": state.data_position, "segments": state.segments, "rng": sorted(state.rng),
+            "grad_sumsq": state.grad_sumsq, "lr_scale": state.lr_scale, "inexact_since": state.inexact_since}
     return _draft(PayloadId.base(state.version), tensors, meta, job_id, layout, fingerprint)
 
 
@@ -278,7 +287,7 @@ def draft_diff_batch(steps: Sequence[DiffStep], *, job_id: str, layout: Layout, 
     for s in steps:
         tensors.update({f"s{s.step}/{name}": _host(t) for name, t in s.tensors.items()})
         records.append({"step": s.step, "lr": s.lr, "adam_step": s.adam_step, "skipped": bool(s.skipped),
-                        "header": s.header, "tensors": sorted(s.tensors)})
+                        "grad_sumsq": s.grad_sumsq, "header": s.header, "tensors": sorted(s.tensors)})
     if step_unit and len(steps) != 1:
         raise ValueError(f"a step unit holds one step's record, got steps {[x.step for x in steps]}")
     pid = PayloadId.step(first) if step_unit else PayloadId.diff(first, steps[-1].step)
@@ -340,6 +349,14 @@ def _open(payload: EncodedPayload, kinds: tuple[str, ...], job_id: str, layout: 
     return meta, tensors
 
 
+def _optional_float(value) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def _optional_int(value) -> Optional[int]:
+    return None if value is None else int(value)
+
+
 def decode_base(payload: EncodedPayload, *, job_id: str, layout: Layout, source: str) -> BaseState:
     """Rebuild a BaseState; raises PayloadError naming ``source`` on any mismatch."""
     meta, tensors = _open(payload, (BASE,), job_id, layout, source)
@@ -347,7 +364,8 @@ def decode_base(payload: EncodedPayload, *, job_id: str, layout: Layout, source:
         rng = {name: tensors[f"rng/{name}"] for name in meta["rng"]}
         return BaseState(payload.stamp.pid.version, int(meta["adam_steps"]), tensors["master"], tensors["exp_avg"],
                          tensors["exp_avg_sq"], meta["schedule"], meta["loss_scaler"], meta["data_position"],
-                         rng, meta["segments"])
+                         rng, meta["segments"], _optional_float(meta.get("grad_sumsq")),
+                         float(meta.get("lr_scale", 1.0)), _optional_int(meta.get("inexact_since")))
     except (KeyError, TypeError, ValueError) as e:
         raise PayloadError(f"{source}: base payload lacks {e}") from e
 
@@ -360,7 +378,8 @@ def decode_diff_batch(payload: EncodedPayload, *, job_id: str, layout: Layout,
     pid = payload.stamp.pid
     try:
         steps = [DiffStep(int(r["step"]), float(r["lr"]), int(r["adam_step"]), bool(r["skipped"]),
-                          {name: tensors[f"s{r['step']}/{name}"] for name in r["tensors"]}, r["header"])
+                          {name: tensors[f"s{r['step']}/{name}"] for name in r["tensors"]}, r["header"],
+                          _optional_float(r.get("grad_sumsq")))
                  for r in meta["steps"]]
     except (KeyError, TypeError, ValueError) as e:
         raise PayloadError(f"{source}: diff batch lacks {e}") from e

@@ -11,6 +11,12 @@ merged inventory, so every rank computes the same answer:
   chain of units (diff batches and step units, each from any tier; a chain may
   stop inside a unit), i.e. the newest step in the intersection of the
   per-rank reachable steps (:mod:`..format.chain`).
+- A pipeline stage none of whose ranks has a base in any tier is *lost*
+  (:func:`lost_stages`). Then no base is common to every rank: recovery stops,
+  naming the stage, unless ``checkpoint.last_resort=checkfree``, where V and E
+  are agreed among the other ranks (:func:`agree_without_lost`) and the lost
+  stage is rebuilt from its neighbours after they restored (:mod:`.checkfree`);
+  :func:`checkfree_refusal` says when that cannot be done.
 - Only copies of this job (and a configuration it may resume) count; each
   layout that wrote some is agreed on separately, the furthest E wins (see
   :func:`decide`). Copies of another job are set aside; if they are all there
@@ -36,6 +42,7 @@ from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
 from megatier.config.fingerprint import changed_keys
+from megatier.parallel.layout import coordinates_of
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +59,7 @@ class Consensus:
     copies: dict[tuple[int, PayloadId], list[Copy]]
     ignored: list[str] = field(default_factory=list)
     degrees: tuple[int, int, int] = (1, 1, 1)  # (tp, pp, dp) of the layout that wrote the units
+    lost_stages: tuple[int, ...] = ()  # pipeline stages with no base anywhere, rebuilt by CheckFree (no chains)
 
     def resharded(self, degrees: tuple[int, int, int]) -> bool:
         """Whether a job of layout ``degrees`` restores this point through resharding."""
@@ -114,7 +122,8 @@ def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, config: Config
         f"with the job id it was written with, or use a new checkpoint.job_id")
 
 
-def _missing_message(bases: list[set[int]], world_size: int, looked: str) -> str:
+def _missing_message(bases: list[set[int]], degrees: tuple[int, int, int], looked: str) -> str:
+    world_size = math.prod(degrees)
     none = [r for r in range(world_size) if not bases[r]]
     newest = max((v for vs in bases for v in vs), default=None)
     parts = []
@@ -125,6 +134,10 @@ def _missing_message(bases: list[set[int]], world_size: int, looked: str) -> str
         parts.append(f"the newest base v{newest} is missing for ranks {lacking}")
         held = {r: sorted(bases[r]) for r in range(world_size) if bases[r]}
         parts.append(f"bases found per rank: {held}")
+    lost = lost_stages(bases, degrees)
+    if lost:
+        parts.append(f"pipeline stage(s) {lost} lost every copy: checkpoint.last_resort=checkfree rebuilds an "
+                     f"intermediate stage from its neighbours (not exact)")
     return (f"no base version is available for every rank ({'; '.join(parts)}). Looked in {looked}. Refusing to "
             f"start from random weights; set checkpoint.allow_fresh_start=true to start from scratch anyway")
 
@@ -159,31 +172,79 @@ def held_per_rank(usable: Iterable[Copy], world_size: int) -> tuple[list[set[int
     return bases, diffs
 
 
-def consensus_at(usable: list[Copy], degrees: tuple[int, int, int], version: int, end: int) -> Consensus:
+def consensus_at(usable: list[Copy], degrees: tuple[int, int, int], version: int, end: int,
+                 lost: tuple[int, ...] = ()) -> Consensus:
     """Every rank's chain from base ``version`` to step ``end`` (which every rank must reach) and the usable
-    copies of each of its units."""
+    copies of each of its units; the ranks of ``lost`` stages get no chain."""
     _, diffs = held_per_rank(usable, math.prod(degrees))
-    chains = {r: chain_to(reachable(version, d), version, end) for r, d in enumerate(diffs)}
+    chains = {r: chain_to(reachable(version, d), version, end) for r, d in enumerate(diffs)
+              if stage_of(r, degrees) not in lost}
     by_unit: dict[tuple[int, PayloadId], list[Copy]] = {(r, pid): [] for r, ch in chains.items() for pid in ch}
     for c in usable:
         if (c.owner, c.pid) in by_unit:
             by_unit[(c.owner, c.pid)].append(c)
-    return Consensus(version, end, chains, by_unit, degrees=degrees)
+    return Consensus(version, end, chains, by_unit, degrees=degrees, lost_stages=tuple(lost))
 
 
-def _agree_within(usable: list[Copy], degrees: tuple[int, int, int]) -> Optional[Consensus]:
-    """V, E and the chains among copies of one layout, or None when no base is common to all its ranks."""
+def _agree_within(usable: list[Copy], degrees: tuple[int, int, int], lost: tuple[int, ...] = ()
+                  ) -> Optional[Consensus]:
+    """V, E and the chains among copies of one layout (the ranks of ``lost`` stages left out), or None when no
+    base is common to all those ranks."""
     bases, diffs = held_per_rank(usable, math.prod(degrees))
-    common = set.intersection(*bases)
+    ranks = [r for r in range(len(bases)) if stage_of(r, degrees) not in lost]
+    common = set.intersection(*(bases[r] for r in ranks))
     if not common:
         return None
     version = max(common)
-    end = max(set.intersection(*(set(reachable(version, d)) for d in diffs)))
-    return consensus_at(usable, degrees, version, end)
+    end = max(set.intersection(*(set(reachable(version, diffs[r])) for r in ranks)))
+    return consensus_at(usable, degrees, version, end, lost)
+
+
+def stage_of(rank: int, degrees: tuple[int, int, int]) -> int:
+    tp, _, dp = degrees
+    return coordinates_of(rank, tp=tp, dp=dp)[2]
+
+
+def lost_stages(bases: list[set[int]], degrees: tuple[int, int, int]) -> list[int]:
+    """The pipeline stages none of whose ranks holds a base in any tier (``bases``: per rank, :func:`held_per_rank`)."""
+    pp = degrees[1]
+    held = [False] * pp
+    for rank, versions in enumerate(bases):
+        held[stage_of(rank, degrees)] |= bool(versions)
+    return [s for s in range(pp) if not held[s]] if any(held) else []
+
+
+def checkfree_refusal(lost: list[int], pp: int) -> Optional[str]:
+    """Why CheckFree cannot rebuild the ``lost`` stages, or None: it rebuilds a stage from its two neighbours,
+    so only intermediate stages (the first holds the embedding, the last the head) and never two in a row."""
+    where = f"pipeline stage(s) {lost} of {pp} lost every copy in every tier"
+    ends = [s for s in lost if s in (0, pp - 1)]
+    if ends:
+        return (f"{where}; CheckFree rebuilds only intermediate stages, and stage(s) {ends} hold the embedding or "
+                f"the output head. Restore their units (e.g. a Tier-3 copy) and relaunch")
+    pairs = [(s, s + 1) for s in lost if s + 1 in lost]
+    if pairs:
+        return (f"{where}; CheckFree needs both neighbours of a lost stage, and stages "
+                f"{', '.join(f'{a} and {b}' for a, b in pairs)} are consecutive. Restore one of them and relaunch")
+    return None
+
+
+def agree_without_lost(usable: list[Copy], degrees: tuple[int, int, int]) -> Optional[Consensus]:
+    """checkpoint.last_resort=checkfree: the consensus of every rank outside the lost stages, with
+    ``lost_stages`` set; None when no whole stage is lost or the others share no base either. Raises
+    RecoveryError naming the stages when they are lost but CheckFree cannot rebuild them."""
+    bases, _ = held_per_rank(usable, math.prod(degrees))
+    lost = lost_stages(bases, degrees)
+    if not lost:
+        return None
+    why = checkfree_refusal(lost, degrees[1])
+    if why is not None:
+        raise RecoveryError(f"refusing to recover with checkpoint.last_resort=checkfree: {why}")
+    return _agree_within(usable, degrees, tuple(lost))
 
 
 def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], traces: bool, allow_fresh_start: bool,
-           looked: str, config: Optional[ConfigCheck] = None) -> Optional[Consensus]:
+           looked: str, config: Optional[ConfigCheck] = None, last_resort: str = "stop") -> Optional[Consensus]:
     """The recovery point all ranks agree on, or None for a fresh start (nothing of this job exists).
 
     Each layout that wrote copies of this job is agreed on separately (V and E need every rank *of that
@@ -191,7 +252,8 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
     resumes the old layout's state (resharded by restore) until its own units reach further.
 
     Raises RecoveryError when traces exist but no layout has a base for every one of its ranks (unless
-    ``allow_fresh_start``: then a warning and None), and always when the only checkpoints found are of
+    ``last_resort="checkfree"`` and whole stages of this job's layout are lost: :func:`agree_without_lost`;
+    or ``allow_fresh_start``: then a warning and None), and always when the only checkpoints found are of
     another job or configuration.
     """
     if not traces:
@@ -199,12 +261,14 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
     config = config or ConfigCheck("")
     grouped, foreign = by_layout(copies, job_id, config)
     agreed = [c for d, usable in grouped.items() if (c := _agree_within(usable, d)) is not None]
+    if not agreed and last_resort == "checkfree" and degrees in grouped:
+        agreed = [c for c in [agree_without_lost(grouped[degrees], degrees)] if c is not None]
     if not agreed:
         if foreign:
             raise _refuse_foreign(foreign, job_id, config)
         shown = degrees if degrees in grouped or not grouped else max(grouped, key=lambda d: len(grouped[d]))
         bases, _ = held_per_rank(grouped.get(shown, []), math.prod(shown))
-        message = _missing_message(bases, math.prod(shown), looked)
+        message = _missing_message(bases, shown, looked)
         if allow_fresh_start:
             log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
             return None

@@ -118,13 +118,14 @@ class Rebuilder:
         return None
 
 
-def _pack(pieces: list[Piece]) -> bytes:
+def pack_pieces(pieces: list[Piece]) -> bytes:
+    """Pieces as bytes for a point-to-point transfer (:func:`unpack_pieces` reads them back)."""
     buf = io.BytesIO()
     torch.save([(p.name, p.full_shape, p.index, p.values) for p in pieces], buf)
     return buf.getvalue()
 
 
-def _unpack(data: Optional[bytes]) -> list[Piece]:
+def unpack_pieces(data: Optional[bytes]) -> list[Piece]:
     if data is None:
         return []
     return [Piece(*fields) for fields in torch.load(io.BytesIO(data), weights_only=True)]
@@ -155,9 +156,9 @@ def exchange(comm: CheckpointComm, rebuilder: Rebuilder, shard: ShardAccess, tp_
                     received += select(pieces, positions(mine, tp_rank, tp))
                 elif comm.rank == src:
                     segs = [ShardSegment.from_dict(d) for d in tables[dst]["segments"]]
-                    comm.send(_pack(select(pieces, positions(segs, *tables[dst]["tp"]))), dst)
+                    comm.send(pack_pieces(select(pieces, positions(segs, *tables[dst]["tp"]))), dst)
                 else:
-                    received += _unpack(comm.recv(src))
+                    received += unpack_pieces(comm.recv(src))
         steps, scaler = next(t["scalars"] for t in tables if t["scalars"] is not None)
         tensors = place(received, mine, tp_rank, tp, o.master.numel())
         shard.load_state(tensors, steps, scaler, what)

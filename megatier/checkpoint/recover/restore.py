@@ -10,7 +10,9 @@ Collective over every rank, in four phases:
    gets its unit from the cheapest tier that has a good copy.
 4. Replay: ``load_base``, one fused ``replay`` per unit (a diff batch or a
    step unit, cut where the chain leaves it: :func:`..format.chain.replay_ends`;
-   the ``replay.mid_batch`` crash point between units), then ``publish`` once.
+   the ``replay.mid_batch`` crash point between units); a stage the consensus
+   found lost is then rebuilt from its neighbours (``last_resort=checkfree``:
+   :mod:`.checkfree`); then ``publish`` once.
 
 When a rank runs out of copies of a unit, the consensus is taken again without
 every copy found bad (an older base or a shorter chain may still be complete
@@ -38,6 +40,7 @@ from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.chain import replay_ends
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
+from megatier.checkpoint.recover.checkfree import rebuild
 from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, last_step, raise_fatal, take_inventory
 from megatier.checkpoint.recover.record import recovery_record
@@ -90,15 +93,22 @@ def _rounds(ctx: CheckpointContext, fetcher: Fetcher, target, timings: list[floa
     return fatal
 
 
-def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, timings: list[float]) -> None:
-    """Restore this rank's shard to the consensus point: fetch and replay its own chain, or (written by another
-    layout) rebuild the old shards and reshard them (:mod:`.reshard`); then publish the parameters."""
+def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher,
+                      timings: list[float]) -> Optional[dict]:
+    """Restore this rank's shard to the consensus point: fetch and replay its own chain (a lost stage's ranks
+    have none: CheckFree rebuilds them after), or (written by another layout) rebuild the old shards and
+    reshard them (:mod:`.reshard`); then publish the parameters. Returns CheckFree's record, if it ran."""
     consensus = fetcher.consensus
     fetcher.reader.degrees = consensus.degrees
+    checkfree = None
     if not consensus.resharded(ctx.layout.degrees):
         fetcher.owners = {r: r for r in consensus.chains}
         fatal = _rounds(ctx, fetcher, shard, timings)
         raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")
+        if consensus.lost_stages:
+            t = time.perf_counter()
+            checkfree = rebuild(ctx, shard, consensus)
+            timings[1] += time.perf_counter() - t
     else:
         what = describe(consensus, ctx.layout.degrees)
         rebuilder = Rebuilder(shard.optimizer, shard.global_batch_size, fetcher.reader.layout_of)
@@ -113,6 +123,7 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     t = time.perf_counter()
     shard.publish()
     timings[1] += time.perf_counter() - t
+    return checkfree
 
 
 def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> tuple[list[str], list[str]]:
@@ -136,16 +147,16 @@ def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: 
     config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes))
     return decide([c for c in inv.copies if c not in bad], job_id=ctx.job_id, degrees=ctx.layout.degrees,
                   traces=inv.traces, allow_fresh_start=allow_fresh_start,
-                  looked=inv.looked(), config=config)
+                  looked=inv.looked(), config=config, last_resort=ctx.cfg.last_resort)
 
 
 def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, inv: Inventory,
-                           timings: list[float]) -> None:
-    """Fetch and replay; when a rank runs out of good copies, agree again without the bad ones."""
+                           timings: list[float]) -> Optional[dict]:
+    """Fetch and replay; when a rank runs out of good copies, agree again without the bad ones (a stage whose
+    every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record, if any."""
     while True:
         try:
-            _fetch_and_replay(ctx, shard, fetcher, timings)
-            return
+            return _fetch_and_replay(ctx, shard, fetcher, timings)
         except Exhausted as e:
             if ctx.rank == 0:
                 log.warning("%s; taking the consensus again without the %d bad copies", e, len(fetcher.ledger.bad))
@@ -171,7 +182,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     fetcher = Fetcher(ctx.comm, reader, consensus, inv)
     fetcher.ledger.fallbacks.extend(inv.notes)
     timings = [0.0, 0.0]
-    _replay_with_fallbacks(ctx, shard, fetcher, inv, timings)
+    checkfree = _replay_with_fallbacks(ctx, shard, fetcher, inv, timings)
     consensus = fetcher.consensus
     try:
         (deleted, quarantined), fatal = _cleanup(ctx, inv, consensus.end, fetcher.ledger.corrupt), None
@@ -187,10 +198,13 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
                              tier1_present=inv.has_copies(TIER1) or inv.has_copies(TIER2),
                              last_step=last_step(inv), rank_nodes=inv.rank_nodes)
     record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
+    record["checkfree"] = checkfree
+    record["exact"] = checkfree is None  # a rebuilt stage is not the state the run had
     resharded = consensus.resharded(ctx.layout.degrees)
     record["resharded"] = reshard_label(consensus.degrees, ctx.layout.degrees) if resharded else None
     if ctx.rank == 0:
-        log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed%s", record["version"],
+        log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed%s%s", record["version"],
                  record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),
-                 record["stale_units_removed"], f"; resharded {record['resharded']}" if resharded else "")
+                 record["stale_units_removed"], f"; resharded {record['resharded']}" if resharded else "",
+                 f"; CheckFree rebuilt stage(s) {checkfree['stages']} (NOT exact)" if checkfree else "")
     return RecoveryResult(consensus.version, consensus.end, record)

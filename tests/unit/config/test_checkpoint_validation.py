@@ -39,13 +39,14 @@ def test_schema_has_the_documented_keys_and_defaults():
         "remote.url", "remote.endpoint_url",
         "remote.keep_bases", "remote.base_every", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
         "memory_budget_gib", "allow_fresh_start", "allow_changes", "base_capture", "capture_steps",
-            "capture_schedule"}
+        "capture_schedule", "last_resort", "checkfree.lr_scale", "checkfree.init"}
     assert (cfg.base_interval, cfg.diff.batch, cfg.diff.compression, cfg.diff.topk_ratio) == (50, 5, "adaptive", 0.01)
     assert (cfg.diff.small_threshold, cfg.peer.max_chunk_mib, cfg.remote.keep_bases) == (100_000, 256, 2)
     assert cfg.local.root.startswith("/dev/shm/") and cfg.remote.url == "checkpoints"
     assert cfg.allow_fresh_start is False and cfg.remote.fsync is True
     assert (cfg.base_capture, cfg.capture_steps) == ("snapshot", 4)
     assert cfg.remote.base_every == 1
+    assert (cfg.last_resort, cfg.checkfree.lr_scale, cfg.checkfree.init) == ("stop", 1.1, "weighted")
 
 
 def test_tiered_preset_composes_and_validates(compose_config, tmp_path):
@@ -89,6 +90,9 @@ def test_s3_url_with_endpoint_is_accepted(tmp_path):
     (["checkpoint.base_capture=lazy"], ["checkpoint.base_capture='lazy'", "snapshot, spread"]),
     (["checkpoint.capture_steps=60"], ["checkpoint.capture_steps=60", "checkpoint.base_interval=50"]),
     (["checkpoint.capture_steps=0"], ["checkpoint.capture_steps=0"]),
+    (["checkpoint.last_resort=pray"], ["checkpoint.last_resort='pray'", "stop, checkfree"]),
+    (["checkpoint.checkfree.init=zeros"], ["checkpoint.checkfree.init='zeros'", "weighted, copy, random"]),
+    (["checkpoint.checkfree.lr_scale=0"], ["checkpoint.checkfree.lr_scale=0", "positive"]),
 ])
 def test_invalid_combinations_name_the_field(compose_config, tmp_path, overrides, fields):
     (tmp_path / "a_file").write_text("not a directory")
