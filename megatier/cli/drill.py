@@ -17,6 +17,11 @@ drill exits). For each step S of ``--at-step`` the drill:
   node      the same kill, then wipes the victim node's Tier-1 area (its memory is
             gone) and relaunches with a replacement node of the same name;
   rack      kills every process at S, wipes every node's Tier-1 area, relaunches.
+  stage     kills the ranks of pipeline stage ``--stage`` at S and wipes every copy
+            of their units (their Tier-1 areas, their replicas on other nodes, their
+            Tier-3 objects; the commit records stay, as when objects go missing), then
+            relaunches with ``checkpoint.last_resort=checkfree`` (unless the overrides
+            set another): the stage is rebuilt from its neighbours, not exactly.
 
 With ``--no-spare`` (node failures) no replacement arrives: the job carries on
 on the surviving nodes with a smaller dp. Its restore reshards the state (the
@@ -33,13 +38,16 @@ checks it against what the class requires:
             every other rank from Tier-1, zero bytes from Tier-3, at most two steps
             lost (one diff batch without diff.per_step);
   rack      every rank from Tier-3.
+  stage     a CheckFree rebuild of exactly that stage, saying it is not exact; the
+            other ranks from their own Tier-1, at most one step lost.
   no spare  as node, old ranks counted on the nodes they ran on, and the
             record must say what was resharded.
 
 With ``--compare`` it also runs the same job without a failure (in its own
 directories) and compares the final ``state_digest``: with lossless diffs
 (``checkpoint.diff.compression=fp32``) the two must be bit-identical; with lossy
-ones the report gives the final-loss difference instead. The exit status is 0
+ones the report gives the final-loss difference instead (always for a stage
+failure: a rebuilt stage is not the state it lost). The exit status is 0
 when every check passed, 1 when recovery did not happen as the class requires
 (the report says which check failed), 2 for bad arguments. Under ``--no-spare`` the
 relaunched job trains with another dp, so its final state cannot equal the
@@ -68,7 +76,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from megatier.cli.drill_report import (
     CLASSES,
@@ -103,6 +111,9 @@ class Job:
     compression: str = ""
     per_step: bool = True
     decay_iters: int = 0  # the LR schedule's horizon (a reference run stopped early keeps it)
+    remote_root: str = ""  # the job's Tier-3 directory
+    tp: int = 1
+    pp: int = 1
 
     @property
     def tier1_root(self) -> str:
@@ -123,16 +134,17 @@ def node_memory_root(work: str) -> str:
     return os.path.join(work, "shm")
 
 
-def make_job(work: str, user_overrides: list[str], *, isolated: bool = False, memory_root: Optional[str] = None) -> Job:
+def make_job(work: str, user_overrides: list[str], *, isolated: bool = False, memory_root: Optional[str] = None,
+             extra: Sequence[str] = ()) -> Job:
     """The job's overrides and the resolved config: the drill's directories first and the user's win, or with
     ``isolated`` (the fault-free reference) the drill's directories and job id last, so the reference never
     shares a tier with the drilled run whatever the user overrides. Node memory goes to ``memory_root``
-    (default: under the work directory)."""
+    (default: under the work directory); ``extra`` overrides go before the user's (the class's defaults)."""
     from megatier.config import compose_config
 
     ours = [f"checkpoint.local.root={memory_root or os.path.join(work, 'shm')}", f"checkpoint.remote.url={work}/remote",
             f"logging.run_dir={work}/run", f"checkpoint.job_id={'reference' if isolated else 'drill'}",
-            "logging.progress=false"] + (["checkpoint.remote.endpoint_url=null"] if isolated else [])
+            "logging.progress=false", *extra] + (["checkpoint.remote.endpoint_url=null"] if isolated else [])
     preset = [] if any(o.lstrip("+~").startswith("checkpoint=") for o in user_overrides) else ["checkpoint=tiered"]
     overrides = preset + (list(user_overrides) + ours if isolated else ours + list(user_overrides))
     cfg = compose_config(overrides)
@@ -141,7 +153,8 @@ def make_job(work: str, user_overrides: list[str], *, isolated: bool = False, me
         raise SystemExit("failure_drill: the overrides turn checkpointing off (checkpoint.enabled=false); a drill "
                          "needs it on")
     return Job(work, overrides, c.job_id, c.local.root, cfg.logging.run_dir, cfg.train.iters, c.diff.batch,
-               c.diff.compression, c.diff.per_step, cfg.optim.decay_iters or cfg.train.iters)
+               c.diff.compression, c.diff.per_step, cfg.optim.decay_iters or cfg.train.iters,
+               os.path.join(c.remote.url, c.job_id), cfg.parallel.tp, cfg.parallel.pp)
 
 
 def launch(args, job: Job, log_name: str, node_env: Optional[dict] = None, nodes: Optional[int] = None) -> int:
@@ -199,11 +212,43 @@ def read_metrics(job: Job, every_launch: bool = False) -> list[dict]:
     return out
 
 
+def stage_ranks(args, job: Job) -> list[int]:
+    """The global ranks of pipeline stage ``--stage`` (the rank formula: tp fastest, then dp, then pp)."""
+    per_stage = args.nodes * args.procs_per_node // job.pp
+    return list(range(args.stage * per_stage, (args.stage + 1) * per_stage))
+
+
+def wipe_ranks(job: Job, ranks: list[int]) -> list[str]:
+    """Delete every copy of ``ranks``' units: their own Tier-1 areas and replicas on every node and their Tier-3
+    objects (commit records kept: the objects went missing). Returns what was deleted."""
+    gone = []
+    for r in ranks:
+        name = f"rank{r:05d}"
+        areas = [os.path.join(job.tier1_root, node, kind, name) for node in
+                 (os.listdir(job.tier1_root) if os.path.isdir(job.tier1_root) else []) for kind in ("own", "replica")]
+        for path in [a for a in areas if os.path.isdir(a)]:
+            shutil.rmtree(path)
+            gone.append(path)
+        for path in Path(job.remote_root).glob(f"*/*/{name}.*"):
+            path.unlink()
+            gone.append(str(path))
+    return gone
+
+
 def inject(args, job: Job, at_step: int, k: int) -> int:
     """Launch with the crash point armed at ``at_step`` on the victims; then wipe what the class loses."""
-    env = {i: {"MEGATIER_CRASH_AT": f"{CrashPoint.TRAIN_STEP_END}:{at_step}"} for i in victims(args)}
+    if args.fail == "stage":
+        ranks = stage_ranks(args, job)
+        armed = ",".join(f"{CrashPoint.TRAIN_STEP_END}:{at_step}:{r}" for r in ranks)
+        env = {i: {"MEGATIER_CRASH_AT": armed} for i in range(args.nodes)}
+    else:
+        env = {i: {"MEGATIER_CRASH_AT": f"{CrashPoint.TRAIN_STEP_END}:{at_step}"} for i in victims(args)}
     status = launch(args, job, f"launch{k}-fail-at-{at_step}", env)
-    if args.fail in ("node", "rack"):
+    if args.fail == "stage":
+        gone = wipe_ranks(job, stage_ranks(args, job))
+        print(f"failure_drill: stage {args.stage} lost every copy ({len(gone)} areas and objects deleted)",
+              file=sys.stderr, flush=True)
+    elif args.fail in ("node", "rack"):
         for i in victims(args):
             shutil.rmtree(job.node_area(f"node{i}"), ignore_errors=True)  # the node's memory is gone
     elif args.corrupt:
@@ -292,6 +337,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--at-step", type=int, nargs="+", required=True, help="step(s) after which the failure strikes")
     p.add_argument("--victim", type=int, default=None, help="node index killed by a software/node failure "
                                                             "(default: the last node)")
+    p.add_argument("--stage", type=int, default=None, help="stage failures: the pipeline stage whose ranks die and "
+                                                           "whose units are wiped from every tier")
     p.add_argument("--corrupt", action="store_true", help="software failures: flip one byte of the victim node's "
                                                           "newest Tier-1 base before relaunching (checksum drill)")
     p.add_argument("--no-spare", action="store_true", help="node failures: no replacement node; the job carries on "
@@ -317,6 +364,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.no_spare and (args.fail != "node" or len(args.at_step) != 1 or args.victim != args.nodes - 1):
         p.error("--no-spare goes with --fail node, one --at-step and the last node as the victim (the survivors "
                 "keep their node names)")
+    if (args.fail == "stage") != (args.stage is not None):
+        p.error("--stage goes with --fail stage, and --fail stage needs --stage")
     if args.corrupt and args.fail != "software":
         p.error("--corrupt goes with --fail software (node and rack failures wipe the Tier-1 copy anyway)")
     if len(set(args.at_step)) != len(args.at_step) or min(args.at_step) < 1:
@@ -329,7 +378,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     args.work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="megatier_drill_"))
     work = os.path.join(args.work_dir, "drill")
-    job = make_job(work, args.overrides, memory_root=node_memory_root(work))
+    extra = ["checkpoint.last_resort=checkfree"] if args.fail == "stage" else []
+    job = make_job(work, args.overrides, memory_root=node_memory_root(work), extra=extra)
+    if args.fail == "stage":
+        _check_stage(args, job, work)
     if args.at_step[-1] >= job.iters:
         raise SystemExit(f"failure_drill: --at-step {args.at_step[-1]} must be below train.iters={job.iters}, "
                          f"so the job has steps left to finish after recovering")
@@ -343,6 +395,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         for root in {node_memory_root(job.work), node_memory_root(os.path.join(args.work_dir, "reference"))}:
             if root.startswith("/dev/shm/"):
                 shutil.rmtree(root, ignore_errors=True)
+
+
+def _check_stage(args, job: Job, work: str) -> None:
+    """A stage drill needs a pipeline with that stage and Tier-3 in the drill's own directory (it wipes it)."""
+    world = args.nodes * args.procs_per_node
+    if world % (job.tp * job.pp) or not 0 <= args.stage < job.pp:
+        raise SystemExit(f"failure_drill: --stage {args.stage} is not a pipeline stage of parallel.pp={job.pp} "
+                         f"(tp={job.tp}) on {args.nodes} x {args.procs_per_node} processes")
+    if os.path.abspath(job.remote_root) != os.path.join(work, "remote", job.job_id):
+        raise SystemExit("failure_drill: --fail stage deletes the stage's Tier-3 objects, so it keeps Tier-3 in its "
+                         "work directory; drop the checkpoint.remote.url override")
 
 
 def plot_run(run_dir: str) -> list[str]:

@@ -11,7 +11,7 @@ from megatier.observe.goodput import PARTS
 if TYPE_CHECKING:
     from megatier.cli.drill import Job
 
-CLASSES = ("software", "node", "rack")
+CLASSES = ("software", "node", "rack", "stage")
 
 
 @dataclass
@@ -26,8 +26,8 @@ class Recovery:
 
 
 def victims(args) -> list[int]:
-    """The node indices a failure of ``args.fail`` kills."""
-    return list(range(args.nodes)) if args.fail == "rack" else [args.victim]
+    """The node indices a failure of ``args.fail`` kills (a stage failure kills ranks, no node)."""
+    return list(range(args.nodes)) if args.fail == "rack" else [] if args.fail == "stage" else [args.victim]
 
 
 def max_steps_lost(fail: str, job: Job) -> Optional[int]:
@@ -38,7 +38,26 @@ def max_steps_lost(fail: str, job: Job) -> Optional[int]:
         return None
     if not job.per_step:
         return job.batch
-    return 1 if fail == "software" else 2
+    return 1 if fail in ("software", "stage") else 2
+
+
+def _check_stage(args, job: Job, rec: Recovery) -> None:
+    """A stage failure: CheckFree rebuilt exactly that stage and says it is not exact; every other rank came
+    from its own Tier-1 and nothing from Tier-3 (the rebuilt ranks read nothing)."""
+    r, per_stage = rec.record, args.nodes * args.procs_per_node // job.pp
+    lost = range(args.stage * per_stage, (args.stage + 1) * per_stage)
+    cf = r.get("checkfree")
+    if not cf or cf.get("stages") != [args.stage]:
+        rec.problems.append(f"stage {args.stage} lost every copy but the recovery record shows no CheckFree rebuild "
+                            f"of it (checkfree: {cf})")
+    if r.get("exact") is not False:
+        rec.problems.append("the recovery record does not say that a rebuilt stage is not exact")
+    for q, tiers in enumerate(r.get("rank_tiers") or []):
+        want = [] if q in lost else [TIER1]
+        if tiers != want:
+            rec.problems.append(f"rank {q} was served from {tiers or 'nothing'}, expected {want or 'nothing'}")
+    if r["bytes_tier3"]:
+        rec.problems.append(f"stage failure read {r['bytes_tier3']} bytes from Tier-3; the others' Tier-1 serves it")
 
 
 def unit_nodes(args, record: dict) -> list[str]:
@@ -66,6 +85,9 @@ def check_recovery(args, job: Job, rec: Recovery) -> None:
     if bound is not None and lost > bound:
         rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a "
                             f"{args.fail} failure may lose at most {bound}")
+    if args.fail == "stage":
+        _check_stage(args, job, rec)
+        return
     if args.fail == "rack":
         wrong = [q for q, t in enumerate(tiers) if t != [TIER3]]
         if wrong or r["failure_class"] != "rack":
@@ -151,10 +173,20 @@ def _goodput_line(summary: dict) -> list[str]:
     return [f"  goodput: {100 * g['goodput']:.1f}% of {_seconds(g['goodput_wall_s'])} held over every launch: {parts}"]
 
 
+def _checkfree_lines(r: dict) -> list[str]:
+    cf = r.get("checkfree")
+    if not cf:
+        return []
+    how = "; ".join(f"stage {b['stage']} from stages {b['neighbours']} weighted {b['weights']}" for b in cf["rebuilds"])
+    return [f"    CheckFree ({cf['init']}): {how or 'a fresh initialisation'}; lr x {cf['lr_scale']}. NOT exact: "
+            f"the run differs from the one that failed from step {cf['at_step']} on (inexact_since in its metrics)"]
+
+
 def format_report(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
                   reference: Optional[dict], problems: list[str], stall: Optional[dict] = None) -> str:
     """The human-readable drill report."""
-    who = "every node" if args.fail == "rack" else f"node{args.victim}"
+    who = ("every node" if args.fail == "rack" else f"pipeline stage {args.stage}" if args.fail == "stage"
+           else f"node{args.victim}")
     lines = [f"failure drill: {args.fail} failure ({who}) at step(s) {', '.join(map(str, args.at_step))} on "
              f"{args.nodes} nodes x {args.procs_per_node} processes; job {job.job_id!r}, diff "
              f"{job.compression} batch {job.batch}, {job.iters} steps; logs and tiers in {job.work}"
@@ -179,7 +211,8 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
             f"    bases by tier: {r['source_tiers']}; bytes read tier1 {_mib(r['bytes_tier1'])}, tier2 "
             f"{_mib(r['bytes_tier2'])}, tier3 {_mib(r['bytes_tier3'])}",
             f"    t_consensus {r['t_consensus_s']:.3f} s, t_rollback {r['t_rollback_s']:.3f} s, t_replay "
-            f"{r['t_replay_s']:.3f} s" + (f"; fallbacks: {'; '.join(r['fallbacks'])}" if r.get("fallbacks") else "")]
+            f"{r['t_replay_s']:.3f} s" + (f"; fallbacks: {'; '.join(r['fallbacks'])}" if r.get("fallbacks") else ""),
+            *_checkfree_lines(r)]
         lines += [f"    note: {n}" for n in rec.notes]
     if final:
         lines.append(f"  final: step {final.get('step')} loss {final.get('loss', float('nan')):.6f} val_loss "
@@ -217,7 +250,7 @@ def final_problems(args, job: Job, recoveries: list[Recovery], final: dict, stat
         if job.compression == "fp32" and got != reference.get("canonical_digest"):
             problems.append(f"with lossless diffs the resharded state at E must equal the fault-free run's there; "
                             f"canonical digests {got} vs {reference.get('canonical_digest')}")
-    elif reference is not None and final and job.compression == "fp32" and \
+    elif reference is not None and final and job.compression == "fp32" and args.fail != "stage" and \
             reference.get("state_digest") != final.get("state_digest"):
         problems.append("with lossless diffs (fp32) the recovered run must end bit-identical to the fault-free run; "
                         f"digests {final.get('state_digest')} vs {reference.get('state_digest')}")

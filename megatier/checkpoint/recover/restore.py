@@ -199,6 +199,8 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
                              last_step=last_step(inv), rank_nodes=inv.rank_nodes)
     record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
     record["checkfree"] = checkfree
+    if checkfree is not None:
+        record["failure_class"] = "stage"  # whatever else was lost, a whole stage was
     record["exact"] = checkfree is None  # a rebuilt stage is not the state the run had
     resharded = consensus.resharded(ctx.layout.degrees)
     record["resharded"] = reshard_label(consensus.degrees, ctx.layout.degrees) if resharded else None

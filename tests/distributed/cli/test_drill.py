@@ -116,6 +116,26 @@ def points_reference(tmp_path_factory) -> str:
 
 # ---- the three classes, lossless, bit-identical ------------------------------------------------------
 
+@pytest.mark.timeout(300)
+def test_stage_failure_is_rebuilt_by_checkfree(tmp_path):
+    """Stage 2 of 4 dies at step 12 and loses every copy (Tier-1, its replicas, its Tier-3 objects); the relaunch
+    rebuilds it from stages 1 and 3 with CheckFree, loses no step, and says the result is not exact."""
+    overrides = ["model=tiny", "model.num_layers=4", "parallel.pp=4", "train.iters=16",
+                 "checkpoint.base_interval=10", "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled",
+                 "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1", "parallel.timeout_s=30"]
+    report = drill(tmp_path, "--fail", "stage", "--stage", "2", "--at-step", "12", overrides=overrides)
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["failure_class"] == "stage" and rec["exact"] is False and rec["end"] == 12
+    assert rec["steps_lost_drill"] == 0
+    assert rec["checkfree"]["rebuilds"][0]["neighbours"] == [1, 3]
+    assert rec["rank_tiers"] == [["tier1"], ["tier1"], [], ["tier1"]] and rec["bytes_tier3"] == 0
+    assert any("rank00002" in f and "does not exist" in f for f in rec["fallbacks"])  # its Tier-3 copy is gone
+    assert "NOT exact" in report["stdout"]
+    final = [json.loads(line) for line in Path(report["run_dir"], "metrics.jsonl").read_text().splitlines()]
+    assert all(r["inexact_since"] == 12 for r in final if r.get("event") is None and "loss" in r)
+
+
 @pytest.mark.timeout(600)
 def test_software_failure_recovers_from_tier1_only(tmp_path, drill_reference):
     report = drill(tmp_path, "--fail", "software", "--at-step", "19")
