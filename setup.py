@@ -47,10 +47,20 @@ EXTRAS = {
         # megatier.interop writes and reads GPT-2 directories without it; the tests load them in transformers.
         "transformers>=4.40",
     ],
-    "gpu": ["transformer-engine"],
+    # Transformer Engine's PyTorch layers (model.impl=te, train.precision=fp8); build it against the CUDA torch
+    # already installed (--no-build-isolation). NVIDIA apex is not on PyPI (the package named apex there is
+    # unrelated): README's "GPU fast paths" builds it from NVIDIA's source.
+    "gpu": ["transformer-engine[pytorch]"],
 }
 
 CSRC = os.path.join("megatier", "csrc")
+
+# Compiler flags of the native ops; tools/cuda_compile.py reads these two lists (keep them literal).
+# -g0: no debug info (Python's CFLAGS add -g: a 16 MB .so instead of 0.4 MB, and a slower build).
+CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+# --fmad=false keeps the AdamW update free of fused multiply-adds so the step and replay kernels (and the CPU
+# ones) perform the same roundings.
+NVCC_FLAGS = ["-O3", "--fmad=false", "-DMEGATIER_WITH_CUDA"]
 
 
 def _native_extension():
@@ -79,8 +89,7 @@ def _native_extension():
     with_cuda = cuda_possible and cuda_mode != "0"
 
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
-    # -g0: no debug info (Python's CFLAGS add -g: a 16 MB .so instead of 0.4 MB, and a slower build)
-    cxx = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+    cxx = list(CXX_FLAGS)
     march = os.environ.get("MEGATIER_MARCH", "native").strip()
     if march and platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
         cxx.append(f"-march={march}")
@@ -89,9 +98,7 @@ def _native_extension():
     if with_cuda:
         sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
         extra["cxx"] = extra["cxx"] + ["-DMEGATIER_WITH_CUDA"]
-        # --fmad=false keeps the AdamW update free of fused multiply-adds so the
-        # step and replay kernels (and the CPU ones) perform the same roundings.
-        extra["nvcc"] = ["-O3", "--fmad=false", "-DMEGATIER_WITH_CUDA"]
+        extra["nvcc"] = list(NVCC_FLAGS)
         ext_cls = CUDAExtension
     ext = ext_cls(
         name="megatier._C",

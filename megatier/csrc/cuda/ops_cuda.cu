@@ -5,9 +5,13 @@
 // The AdamW kernels evaluate the same per-element expression as the CPU ones
 // with IEEE division and square root and no fused multiply-add (--fmad=false,
 // __fdiv_rn/__fsqrt_rn), so step and replay agree bit for bit here too.
+//
+// Only the CUDA runtime's headers are needed (the stream, guard and launch-check
+// headers of c10/cuda), not ATen/cuda/CUDAContext.h, which pulls in cuBLAS,
+// cuSPARSE and cuSOLVER; tools/cuda_compile.py compiles this file without a GPU.
 #include "../ops.h"
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <ATen/ops/cumsum.h>
 #include <ATen/ops/kthvalue.h>
 #include <ATen/ops/nonzero.h>
@@ -17,6 +21,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 
 namespace megatier {
