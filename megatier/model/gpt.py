@@ -29,6 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatier.config import ModelConfig
+from megatier.model import te_layers
+from megatier.model.fused import fused_layer_norm
 from megatier.optim.flat import ParamSpec
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
@@ -97,8 +99,11 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # GPT-2's GELU
 
 
-def _layer_norm(cfg: ModelConfig) -> nn.LayerNorm:
-    norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
+def _layer_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.layernorm_impl == "apex":
+        norm = fused_layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+    else:
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
     mark_partition(norm.weight, None)
     mark_partition(norm.bias, None)
     return norm
@@ -116,6 +121,14 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.hidden_dropout(self.attn(self.ln1(x)))
         return x + self.hidden_dropout(self.mlp(self.ln2(x)))
+
+
+def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout") -> nn.Module:
+    """A transformer block of ``model.impl``: native, or on Transformer Engine's layers with the same parameter
+    names (``te_layers.TEBlock``)."""
+    if cfg.impl == "te":
+        return te_layers.TEBlock(cfg, group, hidden_dropout)
+    return Block(cfg, group, hidden_dropout)
 
 
 class HiddenDropout(nn.Module):
@@ -147,11 +160,16 @@ class GPTStage(nn.Module):
     ``vocab_size`` is the true vocabulary; the embedding and head are padded to
     ``padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)``
     rows, of which this rank holds [vocab_start, vocab_start + padded / tp).
+
+    ``fp8`` (train.precision=fp8, model.impl=te): the layers run under Transformer Engine's fp8 autocast.
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, spec: StageSpec, *, tp_group: dist.ProcessGroup,
-                 dropout_generator: torch.Generator):
+                 dropout_generator: torch.Generator, fp8: bool = False):
         super().__init__()
+        if fp8 and cfg.impl != "te":
+            raise ValueError("fp8 runs Transformer Engine's layers in fp8: it needs model.impl=te")
+        self.fp8_recipe = te_layers.fp8_recipe() if fp8 else None
         self.cfg, self.spec, self.tp_group = cfg, spec, tp_group
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
@@ -162,7 +180,7 @@ class GPTStage(nn.Module):
             self.word = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=tp_group)
             self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
             mark_partition(self.pos.weight, None)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, tp_group, dropout) for i in spec.layers})
+        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout) for i in spec.layers})
         if spec.is_last:
             self.final_norm = _layer_norm(cfg)
             if not spec.is_first:
@@ -192,12 +210,28 @@ class GPTStage(nn.Module):
         (b, s, padded / tp) with -inf in the padded columns.
         """
         if self.spec.is_first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.embed_dropout(self.word(x) + self.pos(positions))  # (b, s, h)
-        for layer in self.layers.values():
-            x = layer(x)
-        if not self.spec.is_last:
-            return x
+            x = self.embed(x)
+        x = self.run_layers(x)
+        return self.head(x, labels) if self.spec.is_last else x
+
+    # The three parts of a stage, for schedules that route a micro-batch through them separately (CheckFree+'s
+    # swapped order, megatier.parallel.route_schedule).
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids (b, s) -> word + position embeddings (b, s, h)."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.embed_dropout(self.word(tokens) + self.pos(positions))
+
+    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's transformer layers: (b, s, h) -> (b, s, h)."""
+        with te_layers.fp8_autocast(self.fp8_recipe):
+            for layer in self.layers.values():
+                x = layer(x)
+        return x
+
+    def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Last stage: hidden states (b, s, h) -> per-token loss (b, s) with labels, else vocab-parallel logits
+        (b, s, padded / tp) with -inf in the padded columns."""
         x = copy_to_region(self.final_norm(x), self.tp_group)
         logits = F.linear(x, self.output_weight)  # (b, s, padded/tp)
         logits = mask_padded_vocab(logits, vocab_start=self.vocab_start, vocab_size=self.vocab_size)
