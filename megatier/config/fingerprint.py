@@ -12,8 +12,10 @@ resolved, since it defaults to ``train.iters``), the tp/pp layout, the data
 window (sequence length, split, sampler seed) and the checksum of the token
 file, the batch sizes, seed and precision. Not included: ``train.iters`` (a
 resumed run may train longer), evaluation, logging, devices, threads, paths
-(``model.init_from`` too: it sets the state of step 0, which a restore replaces)
-and the checkpoint settings themselves.
+(``model.init_from`` too: it sets the state of step 0, which a restore replaces),
+the libraries that compute the same function (``model.impl``,
+``model.layernorm_impl``, ``optim.grad_norm_impl``: the state's names and shapes
+do not depend on them) and the checkpoint settings themselves.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
         fp[key] = json.dumps(value)
     fp.pop("model.name")  # a preset's label, not a shape
     fp.pop("model.init_from")  # a path that seeds step 0 only; a restore replaces what it set
+    for key in ("model.impl", "model.layernorm_impl", "optim.grad_norm_impl"):
+        fp.pop(key)  # which library computes the same function: a relaunch may switch it
     return fp
 
 

@@ -39,6 +39,12 @@ class ModelConfig:
     # A Hugging Face GPT-2 directory (config.json + model.safetensors) of this shape to start from (fine-tuning):
     # the weights replace the initialisation before the optimizer copies them; Adam moments start at zero.
     init_from: Optional[str] = None
+    # The same GPT-2 function computed by other libraries (README, "GPU fast paths"; a relaunch may switch them):
+    # the blocks "native" (torch) or "te" (Transformer Engine's LayerNormLinear, Linear and LayerNormMLP, which
+    # fuse the blocks' LayerNorms); the LayerNorms not fused (all with native, the final one with te) "native" or
+    # "apex" (NVIDIA apex's FusedLayerNorm). Both need CUDA.
+    impl: str = "native"
+    layernorm_impl: str = "native"
 
 
 @dataclass
@@ -75,6 +81,8 @@ class OptimConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
     hysteresis: int = 2
+    # The global gradient norm: "native" (torch, float64 sums) or "apex" (NVIDIA apex's fused multi-tensor L2 norm).
+    grad_norm_impl: str = "native"
 
 
 @dataclass
@@ -102,7 +110,7 @@ class TrainConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 4
     seed: int = 1234
-    precision: str = "fp32"  # fp32 | bf16 | fp16
+    precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (Transformer Engine's fp8 GEMMs, bf16 elsewhere; model.impl=te)
     device: str = "auto"  # auto | cpu | cuda
     eval_interval: int = 50
     eval_iters: int = 2

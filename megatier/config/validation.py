@@ -11,6 +11,7 @@ import os
 from typing import Optional
 
 from megatier.config.checkpoint_validation import check_checkpoint_config
+from megatier.config.fast_path_validation import check_fast_path_config
 from megatier.config.schema import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from megatier.config.schema import require as _require
 
@@ -52,8 +53,8 @@ def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
         value = getattr(t, key)
         _require(value > 0, f"train.{key}={value} must be positive")
     _require(t.eval_iters >= 0, f"train.eval_iters={t.eval_iters} must be >= 0")
-    _require(t.precision in ("fp32", "bf16", "fp16"),
-             f"train.precision={t.precision!r} must be one of fp32, bf16, fp16")
+    _require(t.precision in ("fp32", "bf16", "fp16", "fp8"),
+             f"train.precision={t.precision!r} must be one of fp32, bf16, fp16, fp8")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r} must be one of auto, cpu, cuda")
     per_step = t.micro_batch_size * (dp or 1)
     _require(
@@ -119,3 +120,4 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
                                                           "disabled")
     check_checkpoint_config(cfg.checkpoint)
+    check_fast_path_config(cfg, p.tp)

@@ -33,6 +33,7 @@ from megatier import ops
 from megatier.config import OptimConfig
 from megatier.optim.flat import FlatLayout, ranges_tensor
 from megatier.optim.grad_buffer import GradBuffer
+from megatier.optim.grad_norm import local_sumsq
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
 
@@ -80,9 +81,7 @@ class DistributedAdamW:
 
     def _global_sumsq(self, grad: torch.Tensor) -> float:
         # Squares of every gradient element counted exactly once over all ranks.
-        local = torch.zeros((), dtype=torch.float64, device=grad.device)
-        for start, end in self._norm_ranges:
-            local += torch.linalg.vector_norm(grad[start:end], dtype=torch.float64) ** 2
+        local = local_sumsq(grad, self._norm_ranges, self.cfg.grad_norm_impl)
         self.last_sumsq = local.clone()
         dist.all_reduce(local, group=self.norm_group)
         return float(local)

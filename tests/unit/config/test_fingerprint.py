@@ -10,7 +10,7 @@ def test_state_shaping_settings_are_in_it_and_bookkeeping_is_not(compose_config)
     assert {"optim.lr", "train.seed", "train.precision", "model.hidden_size", "parallel.tp", "data.checksum",
             "optim.decay_iters", "train.global_batch_size"} <= set(fp)
     for same in (["train.eval_interval=7"], ["logging.name=other"], ["checkpoint=tiered"], ["train.threads=1"],
-                 ["train.device=cpu"]):
+                 ["train.device=cpu"], ["model.impl=te", "model.layernorm_impl=apex", "optim.grad_norm_impl=apex"]):
         assert fingerprint_hash(state_fingerprint(compose_config("model=tiny", *same), "abc")) == \
             fingerprint_hash(fp), same
     fixed = compose_config("model=tiny", "optim.decay_iters=100")
