@@ -61,6 +61,22 @@ class PipelineComm:
             raise TypeError(f"pipeline p2p carries {self.dtype}, got {x.dtype}")
         return x.detach().contiguous()
 
+    # Any stage to any other, for schedules whose micro-batches take other routes (route_schedule). Matched in
+    # order per pair and direction, as the adjacent exchanges are.
+
+    def isend_to(self, stage: int, x: torch.Tensor) -> tuple[list[dist.Work], torch.Tensor]:
+        """Post ``x`` to ``stage`` without waiting; returns the works and the tensor on the wire, which the caller
+        keeps alive until it has waited on them."""
+        wire = self._wire(x)
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, wire, group=self.group, group_peer=stage)]), wire
+
+    def recv_from(self, stage: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of ``shape`` from ``stage`` (waits for it)."""
+        out = self._empty(shape)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, group=self.group, group_peer=stage)]):
+            work.wait()
+        return out
+
     def recv_forward(self, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
         """Activations from the previous stage (None on the first stage)."""
         if self.is_first:
