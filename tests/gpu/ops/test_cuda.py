@@ -113,3 +113,67 @@ def test_cuda_bad_input():
     with pytest.raises((ValueError, RuntimeError)):
         ops.densify(torch.ones(2, dtype=torch.float16, device=DEV), torch.tensor([1, 50], dtype=torch.int32,
                     device=DEV), 10)
+
+
+def test_int8_codes_exact_on_special_values():
+    """NaN, infinities, all-zero blocks, denormals and exact rounding ties: the same codes and scales as the CPU."""
+    block = 64
+    x = torch.randn(block * 8, generator=_gen(11))
+    x[0] = float("nan")  # block 0: NaN scale, NaN codes -> 0
+    x[block] = float("inf")  # block 1: inf scale, finite codes -> 0, the inf itself NaN -> 0
+    x[2 * block:3 * block] = 0.0  # block 2: zero scale
+    x[3 * block:4 * block] = torch.full((block,), 1e-41)  # block 3: denormals (a flush to zero would make codes 0)
+    x[4 * block:5 * block] = torch.arange(block) * 0.5 - 15.5  # block 4: amax 127 below, so codes round .5 ties
+    x[5 * block - 1] = 127.0
+    x[5 * block] = -float("inf")
+    c_cpu, s_cpu = ops.quantize_int8(x, block)
+    c_gpu, s_gpu = ops.quantize_int8(x.to(DEV), block)
+    assert torch.equal(c_gpu.cpu(), c_cpu)
+    assert torch.equal(s_gpu.cpu().view(torch.int32), s_cpu.view(torch.int32))  # NaN scales bit for bit too
+    assert c_cpu[3 * block:4 * block].eq(127).all()  # 127 / amax overflows to inf: the codes saturate
+    assert c_cpu[4 * block:4 * block + 4].tolist() == [-16, -15, -14, -14]  # -15.5 -15 -14.5 -14, half to even
+
+
+def test_adamw_cuda_replay_with_skipped_steps_equals_steps():
+    """Skipped steps (fp16 overflow) apply nothing: replay over N steps with skips == the non-skipped single steps,
+    bitwise, and == the CPU kernel."""
+    n, N = 50_017, 7
+    g = _gen(4)
+    state = [torch.randn(n, generator=g), torch.randn(n, generator=g) * 0.01, torch.rand(n, generator=g) * 1e-4]
+    grads = [torch.randn(n, generator=g) for _ in range(N)]
+    skipped = [False, True, False, False, True, False, False]
+    steps, lrs, count = [], [], 0
+    for i in range(N):
+        count += 0 if skipped[i] else 1
+        steps.append(count)
+        lrs.append(1e-3 / (i + 1))
+    decay = torch.tensor([[0, 20_000], [30_000, n]])
+    seq = [t.to(DEV) for t in state]
+    cpu = [t.clone() for t in state]
+    rep = [t.to(DEV) for t in state]
+    for i in range(N):
+        if not skipped[i]:
+            ops.adamw_step(*seq, grads[i].to(DEV), steps[i], lrs[i], weight_decay=0.1, decay_segments=decay, **HP)
+    ops.adamw_replay(*rep, [None if s else gr.to(DEV) for gr, s in zip(grads, skipped)], steps, lrs, weight_decay=0.1,
+                     decay_segments=decay, skipped=skipped, **HP)
+    ops.adamw_replay(*cpu, [None if s else gr for gr, s in zip(grads, skipped)], steps, lrs, weight_decay=0.1,
+                     decay_segments=decay, skipped=skipped, **HP)
+    for a, b, c in zip(rep, seq, cpu):
+        assert _bits_equal(a, b) and _bits_equal(a, c)
+
+
+@pytest.mark.parametrize("mode", ["int8", "bf16", "topk", "adaptive"])
+def test_replay_of_compressed_records_cuda_equals_cpu(mode):
+    """Recovery replays compressed diffs: decoding is exact (codes x scale, bf16 and fp16 widening), so the CUDA
+    replay of a record chain is bitwise the CPU replay of the same records."""
+    n = 151_007
+    segs = [(0, 1000), (1000, 150_000), (151_000, 7)]
+    recs = [ops.compress_segments(torch.randn(n, generator=_gen(20 + i)), segs, mode, seed=i) for i in range(5)]
+    start = [torch.randn(n, generator=_gen(30)), torch.zeros(n), torch.zeros(n)]
+    cpu = [t.clone() for t in start]
+    gpu = [t.to(DEV) for t in start]
+    decay = torch.tensor([[1000, 151_000]])
+    args = dict(weight_decay=0.1, decay_segments=decay, **HP)
+    ops.adamw_replay(*cpu, recs, [1, 2, 3, 4, 5], [1e-3] * 5, **args)
+    ops.adamw_replay(*gpu, [r.to(DEV) for r in recs], [1, 2, 3, 4, 5], [1e-3] * 5, **args)
+    assert all(_bits_equal(a, b) for a, b in zip(gpu, cpu))
