@@ -35,7 +35,7 @@ from megatier.config import CheckpointConfig, CheckpointConfigWarning, Config, e
 from megatier.data.corpus import default_corpus_prefix
 from megatier.data.indexed import read_index
 from megatier.data.tokenizer import ByteTokenizer
-from megatier.model.gpt import StageSpec, stage_layers, stage_parameters
+from megatier.model.gpt import copies_among, stage_parameters, stage_spec
 from megatier.optim.flat import FlatLayout, ShardSegment
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
@@ -152,11 +152,10 @@ def vocab_size(cfg: Config) -> tuple[int, str]:
 
 def shard_segments(cfg: Config, layout: Layout, vocab: int) -> tuple[list[ShardSegment], int]:
     """The segment table and element count of ``layout``'s ZeRO-1 shard, as the Trainer would build them."""
-    spec = StageSpec(stage_layers(cfg.model.num_layers, layout.pp, layout.pp_rank), layout.pp_rank == 0,
-                     layout.pp_rank == layout.pp - 1, layout.tp_rank, layout.tp)
-    shared = {"head_weight"} if spec.is_last and not spec.is_first else set()
-    flat = FlatLayout.from_params(stage_parameters(cfg.model, vocab, spec), layout.dp, tp_rank=layout.tp_rank,
-                                  shared_copies=shared)
+    spec = stage_spec(cfg.model, tp=layout.tp, pp=layout.pp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
+    params = stage_parameters(cfg.model, vocab, spec)
+    flat = FlatLayout.from_params(params, layout.dp, tp_rank=layout.tp_rank,
+                                  shared_copies=copies_among(p.name for p in params))
     return flat.shard_segments(layout.dp_rank), flat.shard_size
 
 

@@ -99,6 +99,20 @@ def _validate_data(d: DataConfig, m: ModelConfig) -> None:
             )
 
 
+def _validate_pipeline_order(m: ModelConfig, t: TrainConfig, pp: int, dp: Optional[int]) -> None:
+    _require(m.pipeline_order in ("standard", "checkfree_plus"),
+             f"model.pipeline_order={m.pipeline_order!r} must be standard or checkfree_plus")
+    if m.pipeline_order != "checkfree_plus":
+        return
+    _require(pp >= 4, f"model.pipeline_order=checkfree_plus swaps stages 0/1 and the last two, which needs "
+                      f"parallel.pp >= 4 (got {pp}); use pipeline_order=standard")
+    _require(m.num_layers % pp == 0, f"model.pipeline_order=checkfree_plus needs stages of identical shape: "
+                                     f"model.num_layers={m.num_layers} must be divisible by parallel.pp={pp}")
+    n = t.global_batch_size // (t.micro_batch_size * (dp or 1))
+    _require(dp is None or n >= 2, f"model.pipeline_order=checkfree_plus swaps every second micro-batch, but each "
+                                   f"rank gets {n}; raise train.global_batch_size or lower train.micro_batch_size")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Cross-field checks; raises ConfigError with a one-line reason. ``world_size`` enables layout checks."""
     p = cfg.parallel
@@ -114,6 +128,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         dp = p.dp(world_size)
     _validate_model(cfg.model, p.tp, p.pp)
     _validate_train(cfg.train, dp)
+    _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)
     w = cfg.logging.wandb

@@ -31,7 +31,9 @@ from torch import nn
 from megatier.config import ModelConfig
 from megatier.model import te_layers
 from megatier.model.fused import fused_layer_norm
+from megatier.optim.canonical import COPIES, canonical_name
 from megatier.optim.flat import ParamSpec
+from megatier.parallel.checkfree_plus import replicas_of
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
     ColumnParallelLinear,
@@ -57,6 +59,12 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
+def stage_spec(cfg: ModelConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int) -> "StageSpec":
+    """What pipeline stage ``pp_rank`` of ``pp`` holds on tp rank ``tp_rank`` (layers, ends, replicas)."""
+    return StageSpec(stage_layers(cfg.num_layers, pp, pp_rank), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
+                     replicas_of(cfg.pipeline_order, pp, pp_rank))
+
+
 @dataclass(frozen=True)
 class StageSpec:
     """Which part of the model this rank holds."""
@@ -66,6 +74,9 @@ class StageSpec:
     is_last: bool
     tp_rank: int = 0
     tp: int = 1
+    # Copies of a neighbouring stage's parameters this stage keeps (CheckFree+: "pos" and/or "final_norm";
+    # megatier.parallel.checkfree_plus.replicas_of). They are trained as copies: same gradient, same update.
+    replicas: tuple[str, ...] = ()
 
 
 class Attention(nn.Module):
@@ -186,6 +197,11 @@ class GPTStage(nn.Module):
             if not spec.is_first:
                 rows = self.padded_vocab_size // spec.tp
                 self.head_weight = mark_partition(nn.Parameter(torch.empty(rows, cfg.hidden_size)), 0)
+        if "pos" in spec.replicas:  # not used in forward: a copy of stage 0's positions
+            self.pos_replica = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+            mark_partition(self.pos_replica.weight, None)
+        if "final_norm" in spec.replicas:  # not used in forward: a copy of the last stage's final LayerNorm
+            self.final_norm_replica = _layer_norm(cfg)
         self._record_full_shapes()
 
     def _record_full_shapes(self) -> None:
@@ -250,9 +266,10 @@ class GPTStage(nn.Module):
 VOCAB_PARAMS = ("word.weight", "head_weight")
 
 
-def canonical_name(name: str) -> str:
-    """The name of the full tensor a stage parameter is a slice of: the tied head is the word embedding."""
-    return "word.weight" if name == "head_weight" else name
+def copies_among(names) -> set[str]:
+    """The names of parameters that copy another stage's (the tied head, CheckFree+'s replicas): left out of the
+    gradient norm and of the canonical state, which count their sources."""
+    return {n for n in names if n in COPIES}
 
 
 def shard_for(model: GPTStage, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -341,6 +358,10 @@ def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list
         names += ["final_norm.weight", "final_norm.bias"]
     if spec.is_last and not spec.is_first:
         names = ["head_weight"] + names  # a parameter of the stage itself: named before its submodules'
+    if "pos" in spec.replicas:
+        names += ["pos_replica.weight"]
+    if "final_norm" in spec.replicas:
+        names += ["final_norm_replica.weight", "final_norm_replica.bias"]
     padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
     out = []
     for name in names:

@@ -15,9 +15,11 @@ Nothing else is needed: not the model, not the config, not the old world.
 
 The *canonical state* is ``{name: {kind: full tensor}}`` for kind in
 :data:`STATE_KINDS`, keyed by the names of a pp=1 model (global layer indices,
-so the same under every pp). ``head_weight``, the last stage's copy of the
-tied word embedding when pp > 1, is not a name of its own: it is
-``word.weight`` (the two copies get the same gradients and stay bitwise equal).
+so the same under every pp). A *copy* (:data:`COPIES`) is not a name of its
+own: ``head_weight``, the last stage's copy of the tied word embedding when
+pp > 1, is ``word.weight``, and CheckFree+'s replicas on the neighbouring
+stages are ``pos.weight`` and ``final_norm.*`` (each copy gets the same
+gradients as its source and stays bitwise equal to it).
 
 - :func:`shard_pieces` cuts one shard into pieces (name, full indices, values),
 - :func:`assemble` puts the pieces of a set of shards together (and checks
@@ -42,7 +44,11 @@ from megatier.optim.flat import ShardSegment
 from megatier.parallel.layers import shard_of_full
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-TIED_COPY, TIED_SOURCE = "head_weight", "word.weight"
+# Parameters that hold a copy of another stage's parameter -> the canonical parameter they copy: the tied output
+# head (pp > 1) and CheckFree+'s replicas of the embedding's positions and the final LayerNorm
+# (megatier.parallel.checkfree_plus).
+COPIES = {"head_weight": "word.weight", "pos_replica.weight": "pos.weight",
+          "final_norm_replica.weight": "final_norm.weight", "final_norm_replica.bias": "final_norm.bias"}
 
 
 class ReshardError(ValueError):
@@ -50,8 +56,8 @@ class ReshardError(ValueError):
 
 
 def canonical_name(name: str) -> str:
-    """The canonical parameter a segment name holds (the tied head is the word embedding)."""
-    return TIED_SOURCE if name == TIED_COPY else name
+    """The canonical parameter a parameter (or segment) name holds: a copy's source, else the name itself."""
+    return COPIES.get(name, name)
 
 
 def full_index(seg: ShardSegment, tp_rank: int, tp: int) -> torch.Tensor:
@@ -92,15 +98,16 @@ class ShardState:
     tensors: Mapping[str, torch.Tensor]  # kind -> (shard_size,) fp32
 
 
-def shard_pieces(shard: ShardState, *, primary_only: bool = True) -> list[Piece]:
+def shard_pieces(shard: ShardState, *, primary_only: bool = True, with_copies: bool = False) -> list[Piece]:
     """The shard's elements as pieces of canonical parameters, padding left out.
 
-    ``primary_only``: skip copies another shard holds too (tp-replicated parameters on tp ranks > 0 and the
-    tied head), so a set of shards covering a model gives every element exactly once.
+    ``primary_only``: skip elements another shard holds too (tp-replicated parameters on tp ranks > 0 and, unless
+    ``with_copies``, the :data:`COPIES`), so a set of shards covering a model gives every element exactly once.
     """
     pieces = []
     for seg in shard.segments:
-        if primary_only and (seg.name == TIED_COPY or (seg.tp_dim is None and shard.tp_rank > 0)):
+        copy = seg.name in COPIES and not with_copies
+        if primary_only and (copy or (seg.tp_dim is None and shard.tp_rank > 0)):
             continue
         index = full_index(seg, shard.tp_rank, shard.tp)
         keep = index >= 0

@@ -33,7 +33,7 @@ from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
 from megatier.faults import CrashPoint, FaultInjector
 from megatier.interop.gpt2 import load_gpt2
-from megatier.model.gpt import GPTStage, StageSpec, init_weights, load_full_state, stage_layers
+from megatier.model.gpt import GPTStage, copies_among, init_weights, load_full_state, stage_spec
 from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
 from megatier.observe.goodput import GoodputLedger, NullLedger
 from megatier.observe.metrics import MetricsLogger, NullLogger
@@ -43,7 +43,9 @@ from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
+from megatier.parallel.checkfree_plus import sync_replica_grads
 from megatier.parallel.p2p import PipelineComm
+from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 from megatier.seeding import derive_seed
@@ -121,8 +123,7 @@ class Trainer:
             raise ValueError(f"model.vocab_size={vocab} is smaller than the dataset's vocabulary "
                              f"({self.dataset_meta['vocab_size']}); unset model.vocab_size to take it from the data")
         self.vocab_size = vocab  # the true vocabulary; the model pads its rows (padded logits are -inf)
-        spec = StageSpec(stage_layers(m.num_layers, ps.pp, ps.pp_rank), ps.is_first_stage, ps.is_last_stage,
-                         ps.tp_rank, ps.tp)
+        spec = stage_spec(m, tp=ps.tp, pp=ps.pp, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
         # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
         self.dropout_generator = gen = torch.Generator(device=self.device)
         model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen)
@@ -130,7 +131,7 @@ class Trainer:
         if m.init_from is not None:  # fine-tuning: before flattening, so the fp32 master comes from it
             load_full_state(model, load_gpt2(m.init_from, m, vocab))
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
-        shared = {"head_weight"} if spec.is_last and not spec.is_first else set()
+        shared = copies_among(name for name, _ in self.model.named_parameters())
         self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, shared_copies=shared)
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
         self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group)
@@ -179,13 +180,18 @@ class Trainer:
         return [(x.to(self.device), y.to(self.device)) for x, y in batches]
 
     def _forward_backward(self, batches, *, loss_scale: float, forward_only: bool = False) -> torch.Tensor:
-        """Run this rank's micro-batches through the schedule of the layout (pp == 1: no pipeline; else 1F1B)."""
+        """Run this rank's micro-batches through the schedule of the layout (pp == 1: no pipeline; else 1F1B, or
+        CheckFree+'s routes when training with model.pipeline_order=checkfree_plus)."""
         mbs = self._microbatches(batches)
         if self.comm is None:
             return forward_backward_no_pipeline(self.model, mbs, loss_scale=loss_scale, forward_only=forward_only)
         hidden = self.cfg.model.hidden_size
         if forward_only:
             return forward_pipeline(self.model, mbs, comm=self.comm, hidden_size=hidden)
+        if self.cfg.model.pipeline_order == "checkfree_plus":
+            routes = checkfree_plus_routes(self.ps.pp, len(mbs))
+            return forward_backward_routes(self.model, mbs, routes, comm=self.comm, hidden_size=hidden,
+                                           loss_scale=loss_scale)
         return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale)
 
     def _global_loss(self, local: torch.Tensor) -> float:
@@ -196,11 +202,15 @@ class Trainer:
         dist.all_reduce(contrib, group=self.ps.world_group)
         return float(contrib)
 
-    def _sync_tied_embedding(self) -> None:
+    def _sync_copies(self) -> None:
+        """Give each copy its source's gradient: the tied embedding's two copies are summed; CheckFree+'s replicas
+        receive theirs (megatier.parallel.checkfree_plus)."""
         if self.ps.embedding_group is not None:
             shared = self.model.shared_embedding_params()
             names = [n for n, p in self.model.named_parameters() if any(p is q for q in shared)]
             self.grads.all_reduce_segments(names, self.ps.embedding_group)
+        if self.comm is not None:
+            sync_replica_grads(self.grads, self.comm, self.cfg.model.pipeline_order)
 
     def train_step(self, step: int) -> dict:
         """Run training step ``step`` and return its metrics record."""
@@ -211,7 +221,7 @@ class Trainer:
         self.grads.zero()
         scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
         local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
-        self._sync_tied_embedding()
+        self._sync_copies()
         stats = self.optimizer.step(step)
         loss = self._global_loss(local_loss)
         elapsed = time.perf_counter() - start

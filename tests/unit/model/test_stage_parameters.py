@@ -12,7 +12,10 @@ from megatier.optim.flat import FlatLayout
 CFG = ModelConfig(num_layers=3, hidden_size=32, num_heads=4, max_position_embeddings=16, ffn_hidden_size=48)
 VOCAB = 257
 STAGES = {"whole": (range(3), True, True), "first": (range(2), True, False), "middle": (range(1, 2), False, False),
-          "last": (range(2, 3), False, True)}
+          "last": (range(2, 3), False, True),
+          # CheckFree+'s replicas: of the positions on stage 1, of the final LayerNorm on stage P-2
+          "middle+pos": (range(1, 2), False, False, 0, 1, ("pos",)),
+          "middle+final_norm": (range(1, 2), False, False, 0, 1, ("final_norm",))}
 
 
 def _built(spec: StageSpec) -> list[tuple]:
@@ -32,7 +35,8 @@ def _built(spec: StageSpec) -> list[tuple]:
 @pytest.mark.parametrize("tp,tp_rank", [(1, 0), (2, 1), (4, 3)])
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_parameters_are_the_built_stages(stage, tp, tp_rank):
-    spec = StageSpec(*STAGES[stage], tp_rank=tp_rank, tp=tp)
+    layers, first, last, *rest = STAGES[stage]
+    spec = StageSpec(layers, first, last, tp_rank=tp_rank, tp=tp, replicas=rest[2] if rest else ())
     built, model = _built(spec)
     assert [tuple(p) for p in stage_parameters(CFG, VOCAB, spec)] == built
 
