@@ -40,12 +40,21 @@ def _env(tmp_path: Path) -> dict:
                 OMP_NUM_THREADS="1")
 
 
+def _fp8_missing():
+    return TE if TE is not None else fastpaths.fp8_missing()
+
+
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("impl", ["native", pytest.param("te", marks=pytest.mark.skipif(
-    TE is not None, reason=f"needs Transformer Engine and {TE}"))])
-def test_tiered_run_on_nccl(tmp_path, monkeypatch, impl):
+@pytest.mark.parametrize("impl,precision", [
+    ("native", "fp32"),
+    pytest.param("te", "fp32", marks=pytest.mark.skipif(TE is not None, reason=f"needs Transformer Engine and {TE}")),
+    pytest.param("te", "fp8", marks=pytest.mark.skipif(_fp8_missing() is not None,
+                                                       reason=f"needs fp8 in Transformer Engine: {_fp8_missing()}")),
+])
+def test_tiered_run_on_nccl(tmp_path, monkeypatch, impl, precision):
     work = tmp_path / "work"
-    args = [str(REPO / "pretrain_gpt.py"), *JOB, f"model.impl={impl}", f"checkpoint.local.root={work}/shm",
+    args = [str(REPO / "pretrain_gpt.py"), *JOB, f"model.impl={impl}", f"train.precision={precision}",
+            f"checkpoint.local.root={work}/shm",
             f"checkpoint.remote.url={work}/remote", f"logging.run_dir={work}/run", "checkpoint.job_id=gpu"]
     monkeypatch.setenv("WANDB_MODE", "disabled")
     cluster = LocalCluster(1, PROCS, args)
