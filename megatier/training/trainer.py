@@ -50,7 +50,8 @@ from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 from megatier.seeding import derive_seed
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: Transformer Engine's GEMMs in fp8 under GPTStage's autocast; parameters and activations in bf16.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def _pick_device(name: str) -> torch.device:
@@ -126,7 +127,8 @@ class Trainer:
         spec = stage_spec(m, tp=ps.tp, pp=ps.pp, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
         # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
         self.dropout_generator = gen = torch.Generator(device=self.device)
-        model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen)
+        model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen,
+                         fp8=self.cfg.train.precision == "fp8")
         init_weights(model, self.cfg.train.seed)
         if m.init_from is not None:  # fine-tuning: before flattening, so the fp32 master comes from it
             load_full_state(model, load_gpt2(m.init_from, m, vocab))

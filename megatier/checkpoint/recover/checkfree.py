@@ -28,6 +28,16 @@ Then, collectively, before the parameters are published (:func:`rebuild`):
    times ``checkfree.lr_scale`` from now on (kept in its bases), its loss
    scaler is the neighbours'.
 
+The first and last stage hold the embedding and the output head, so CheckFree
+alone cannot rebuild them. A job trained with ``model.pipeline_order=checkfree_plus``
+(002_*.txt section 4.3, :mod:`megatier.parallel.checkfree_plus`) can: the lost
+end stage's layers become a copy of its *stand-in* (stage 1 for stage 0, P-2
+for P-1: the swap partner that learned to do its job), and every parameter of a
+lost stage that is not a transformer layer (the word embedding, positions, final
+LayerNorm, and the replicas a stage keeps) is copied bit for bit from the
+nearest surviving stage that holds it or a copy of it (the tied head and the
+replicas), :func:`plan`.
+
 Training goes on at E + 1 on every stage, without a rollback. The result is
 not exact, and the run says so: every rank records E as ``inexact_since`` (kept
 in every base it writes; the step metrics carry it) and the recovery record
@@ -39,7 +49,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -49,8 +59,9 @@ from megatier.checkpoint.recover.consensus import Consensus, stage_of
 from megatier.checkpoint.recover.inventory import RecoveryError, raise_fatal
 from megatier.checkpoint.recover.reshard import pack_pieces, unpack_pieces
 from megatier.checkpoint.shard import ShardAccess
-from megatier.optim.canonical import Piece, ShardState, place, positions, select, shard_pieces
+from megatier.optim.canonical import Piece, ShardState, canonical_name, place, positions, select, shard_pieces
 from megatier.optim.flat import ShardSegment
+from megatier.parallel.checkfree_plus import stand_in
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +75,24 @@ def layers_of(names: Sequence[str]) -> list[int]:
 
 @dataclass(frozen=True)
 class StageRebuild:
-    """How one lost stage is rebuilt: from ``sources`` (stage, weight), each source's layers renamed to the
-    lost stage's by ``renames[k]`` (global layer index there -> here)."""
+    """How one lost stage is rebuilt: its layers from ``sources`` (stage, weight), each source's layers renamed
+    to the lost stage's by ``renames[k]`` (global layer index there -> here), mixed (:func:`mix`); its other
+    parameters copied exactly from ``extras`` (canonical name -> the surviving stage that holds it)."""
 
     stage: int
     sources: tuple[tuple[int, float], ...]
     renames: tuple[dict[int, int], ...]
+    extras: dict[str, int] = field(default_factory=dict)
+    stand_in: bool = False  # CheckFree+: the layers are a copy of the lost end stage's swap partner
 
     def describe(self) -> dict:
         return {"stage": self.stage, "neighbours": [s for s, _ in self.sources],
-                "weights": [w for _, w in self.sources]}
+                "weights": [w for _, w in self.sources], "stand_in": self.stand_in,
+                "exact_copies": {name: stage for name, stage in sorted(self.extras.items())}}
+
+    def senders(self) -> list[int]:
+        """Every stage that sends this rebuild something, in order."""
+        return sorted({s for s, _ in self.sources} | set(self.extras.values()))
 
 
 def stage_sumsq(parts: Sequence[Optional[float]], degrees: tuple[int, int, int]) -> list[Optional[float]]:
@@ -85,30 +104,58 @@ def stage_sumsq(parts: Sequence[Optional[float]], degrees: tuple[int, int, int])
     return total
 
 
-def plan(lost: Sequence[int], stage_layers: Sequence[list[int]], sumsq: Sequence[Optional[float]], end: int,
+def _refuse(i: int, why: str) -> RecoveryError:
+    return RecoveryError(f"refusing CheckFree for stage {i}: {why}")
+
+
+def _layer_sources(i: int, pp: int, stage_names: Sequence[set[str]], sumsq: Sequence[Optional[float]], end: int,
+                   init: str) -> tuple[tuple[tuple[int, float], ...], bool]:
+    """Where stage ``i``'s layers come from: ((stage, weight), ...) and whether it is a CheckFree+ stand-in."""
+    if i in (0, pp - 1):
+        if pp < 4 or not any("pos_replica.weight" in names for names in stage_names):
+            raise _refuse(i, "it holds the embedding or the output head, and CheckFree rebuilds only intermediate "
+                             "stages; a job trained with model.pipeline_order=checkfree_plus (pp >= 4) can rebuild "
+                             "it from its stand-in. Restore its units (e.g. a Tier-3 copy) and relaunch")
+        return ((stand_in(i, pp), 1.0),), True
+    sides = {"weighted": (i - 1, i + 1), "copy": (i - 1,), "random": ()}[init]
+    for j in sides:
+        if sumsq[j] is None:
+            raise _refuse(i, f"the last gradient norm of its neighbour stage {j} is not recorded at step {end} "
+                             f"(units written before MegaTier recorded it); restore stage {i}'s units instead")
+    return tuple((j, sumsq[j] if init == "weighted" else 1.0) for j in sides), False
+
+
+def _extras(i: int, lost: Sequence[int], stage_names: Sequence[set[str]]) -> dict[str, int]:
+    """Each of stage ``i``'s parameters other than layers -> the nearest surviving stage holding it (or a copy)."""
+    held = [{canonical_name(n) for n in names} for names in stage_names]
+    out = {}
+    for name in sorted(held[i]):
+        if _LAYER.match(name):
+            continue
+        holders = sorted((abs(j - i), j) for j, names in enumerate(held) if name in names and j not in lost)
+        if not holders:
+            raise _refuse(i, f"no surviving stage holds {name} or a copy of it (the first and the last stage "
+                             f"share the word embedding: both are lost)")
+        out[name] = holders[0][1]
+    return out
+
+
+def plan(lost: Sequence[int], stage_names: Sequence[set[str]], sumsq: Sequence[Optional[float]], end: int,
          init: str) -> list[StageRebuild]:
     """The rebuild of every lost stage (pure; every rank computes the same); RecoveryError naming the stage when
-    it cannot be done. ``stage_layers[j]``: stage j's layer indices; ``sumsq[j]``: its squared gradient norm at
-    ``end``; ``init``: weighted (both neighbours), copy (the previous one), random (none)."""
-    out = []
+    it cannot be done. ``stage_names[j]``: the parameter names stage j holds; ``sumsq[j]``: its squared
+    gradient norm at ``end``; ``init``: weighted (both neighbours), copy (the previous one), random (none)."""
+    pp, out = len(stage_names), []
     for i in lost:
-        sides = {"weighted": (i - 1, i + 1), "copy": (i - 1,), "random": ()}[init]
-        for j in (i - 1, i + 1):
-            if len(stage_layers[j]) != len(stage_layers[i]):
-                raise RecoveryError(
-                    f"refusing CheckFree for stage {i}: it holds {len(stage_layers[i])} transformer layers and its "
-                    f"neighbour stage {j} {len(stage_layers[j])}; CheckFree needs stages of identical shape "
-                    f"(model.num_layers divisible by parallel.pp)")
-        weights = []
-        for j in sides:
-            if sumsq[j] is None:
-                raise RecoveryError(
-                    f"refusing CheckFree for stage {i}: the last gradient norm of its neighbour stage {j} is not "
-                    f"recorded at step {end} (units written before MegaTier recorded it); restore stage {i}'s "
-                    f"units instead")
-            weights.append(sumsq[j] if init == "weighted" else 1.0)
-        renames = tuple(dict(zip(stage_layers[j], stage_layers[i])) for j in sides)
-        out.append(StageRebuild(i, tuple(zip(sides, weights)), renames))
+        sources, stand = _layer_sources(i, pp, stage_names, sumsq, end, init)
+        mine = layers_of(stage_names[i])
+        for j in {*(s for s, _ in sources), *((i - 1, i + 1) if 0 < i < pp - 1 else ())}:
+            if len(layers_of(stage_names[j])) != len(mine):
+                raise _refuse(i, f"it holds {len(mine)} transformer layers and stage {j} "
+                                 f"{len(layers_of(stage_names[j]))}; CheckFree needs stages of identical shape "
+                                 f"(model.num_layers divisible by parallel.pp)")
+        renames = tuple(dict(zip(layers_of(stage_names[j]), mine)) for j, _ in sources)
+        out.append(StageRebuild(i, sources, renames, _extras(i, lost, stage_names), stand))
     return out
 
 
@@ -132,26 +179,35 @@ def _renamed(pieces: list[Piece], rename: dict[int, int]) -> list[Piece]:
     return out
 
 
+def _pieces_for(rb: StageRebuild, source: int, layers: list[Piece], everything: list[Piece]) -> list[Piece]:
+    """What stage ``source`` sends for ``rb``: its layers renamed (if a layer source), the extras it holds."""
+    out = []
+    for (stage, _), rename in zip(rb.sources, rb.renames):
+        if stage == source:
+            out += _renamed(layers, rename)
+    return out + [p for p in everything if rb.extras.get(p.name) == source]
+
+
 def _exchange(ctx: CheckpointContext, shard: ShardAccess, rebuilds: list[StageRebuild], tables: list[dict]
               ) -> dict[int, list[Piece]]:
-    """Send every lost rank its elements of each source stage, in one global order; returns what this rank got
-    from each source stage (empty on other ranks)."""
+    """Send every lost rank its elements from each sending stage, in one global order; returns what this rank
+    got, by sending stage (empty on other ranks)."""
     o, me, degrees = shard.optimizer, ctx.rank, ctx.layout.degrees
-    tp_rank, tp = ctx.layout.tp_rank, ctx.layout.tp
     ranks = range(ctx.comm.world_size)
-    mine: list[Piece] = []
+    state = ShardState(ctx.layout.tp_rank, ctx.layout.tp, o.shard_segments,
+                       {k: getattr(o, k) for k in ("master", "exp_avg", "exp_avg_sq")})
+    mine: Optional[tuple[list[Piece], list[Piece]]] = None  # (primary pieces, with copies), cut once
     got: dict[int, list[Piece]] = {}
     for rb in rebuilds:
-        for (source, _), rename in zip(rb.sources, rb.renames):
+        for source in rb.senders():
             for src in (r for r in ranks if stage_of(r, degrees) == source):
-                if src == me and not mine:
-                    tensors = {k: getattr(o, k) for k in ("master", "exp_avg", "exp_avg_sq")}
-                    mine = shard_pieces(ShardState(tp_rank, tp, o.shard_segments, tensors))
+                if src == me and mine is None:
+                    mine = shard_pieces(state), shard_pieces(state, with_copies=True)
                 for dst in (r for r in ranks if stage_of(r, degrees) == rb.stage):
                     if me == src:
                         segments = [ShardSegment.from_dict(d) for d in tables[dst]["segments"]]
                         where = positions(segments, *tables[dst]["tp"])
-                        ctx.comm.send(pack_pieces(select(_renamed(mine, rename), where)), dst)
+                        ctx.comm.send(pack_pieces(select(_pieces_for(rb, source, *mine), where)), dst)
                     elif me == dst:
                         got.setdefault(source, []).extend(unpack_pieces(ctx.comm.recv(src)))
     return got
@@ -159,11 +215,19 @@ def _exchange(ctx: CheckpointContext, shard: ShardAccess, rebuilds: list[StageRe
 
 def _install(shard: ShardAccess, rb: StageRebuild, got: dict[int, list[Piece]], tp_rank: int, tp: int,
              scaler: Optional[dict], lr_scale: float) -> None:
-    """This lost rank's shard: the mix of its sources (or its launch's initialisation), fresh Adam state."""
+    """This lost rank's shard: its layers mixed from their sources (or its launch's initialisation), its other
+    parameters exact copies; fresh Adam state."""
     o = shard.optimizer
-    size = o.master.numel()
-    sources = [place(got.get(s, []), o.shard_segments, tp_rank, tp, size)["master"] for s, _ in rb.sources]
-    master = mix(sources, [w for _, w in rb.sources]) if sources else o.master.detach().cpu().clone()
+    size, segments = o.master.numel(), o.shard_segments
+    extras = [p for pieces in got.values() for p in pieces if not _LAYER.match(p.name)]
+    # Each source's layers with the extras (place() checks that together they cover the shard exactly once).
+    layers = [place([p for p in got.get(s, []) if _LAYER.match(p.name)] + extras, segments, tp_rank, tp,
+                    size)["master"] for s, _ in rb.sources]
+    master = mix(layers, [w for _, w in rb.sources]) if layers else o.master.detach().cpu().clone()
+    where = positions(segments, tp_rank, tp)
+    for p in extras:  # bit for bit, whatever the mix did to them
+        at = where[p.name][p.index]
+        master[at[at >= 0]] = p.values["master"][at >= 0].float()
     zeros = torch.zeros_like(master)
     shard.load_state({"master": master, "exp_avg": zeros, "exp_avg_sq": zeros.clone()}, 0, scaler,
                      f"CheckFree's rebuild of stage {rb.stage}")
@@ -177,17 +241,16 @@ def rebuild(ctx: CheckpointContext, shard: ShardAccess, consensus: Consensus) ->
     cf, degrees, end = ctx.cfg.checkfree, ctx.layout.degrees, consensus.end
     o = shard.optimizer
     lost = ctx.layout.pp_rank in consensus.lost_stages
-    tables = ctx.comm.gather({"layers": layers_of([s.name for s in o.shard_segments]),
-                              "sumsq": None if lost else shard.grad_sumsq,
+    tables = ctx.comm.gather({"sumsq": None if lost else shard.grad_sumsq,
                               "segments": [s.to_dict() for s in o.shard_segments],
                               "tp": (ctx.layout.tp_rank, ctx.layout.tp),
                               "scaler": None if lost or o.scaler is None else o.scaler.state_dict()},
                              what="CheckFree (stage descriptions)")
-    stage_layers: list[set[int]] = [set() for _ in range(degrees[1])]
+    stage_names: list[set[str]] = [set() for _ in range(degrees[1])]
     for rank, t in enumerate(tables):
-        stage_layers[stage_of(rank, degrees)].update(t["layers"])
+        stage_names[stage_of(rank, degrees)].update(d["name"] for d in t["segments"])
     sumsq = stage_sumsq([t["sumsq"] for t in tables], degrees)
-    rebuilds = plan(consensus.lost_stages, [sorted(s) for s in stage_layers], sumsq, end, cf.init)
+    rebuilds = plan(consensus.lost_stages, stage_names, sumsq, end, cf.init)
     fatal = None
     try:
         got = _exchange(ctx, shard, rebuilds, tables)

@@ -215,13 +215,11 @@ def lost_stages(bases: list[set[int]], degrees: tuple[int, int, int]) -> list[in
 
 
 def checkfree_refusal(lost: list[int], pp: int) -> Optional[str]:
-    """Why CheckFree cannot rebuild the ``lost`` stages, or None: it rebuilds a stage from its two neighbours,
-    so only intermediate stages (the first holds the embedding, the last the head) and never two in a row."""
+    """Why CheckFree cannot rebuild the ``lost`` stages, or None: it rebuilds a stage from its neighbours, so
+    never two in a row (what else it needs, :func:`.checkfree.plan` checks with every stage's description)."""
     where = f"pipeline stage(s) {lost} of {pp} lost every copy in every tier"
-    ends = [s for s in lost if s in (0, pp - 1)]
-    if ends:
-        return (f"{where}; CheckFree rebuilds only intermediate stages, and stage(s) {ends} hold the embedding or "
-                f"the output head. Restore their units (e.g. a Tier-3 copy) and relaunch")
+    if pp < 2:
+        return f"{where}; there is no other stage to rebuild it from"
     pairs = [(s, s + 1) for s in lost if s + 1 in lost]
     if pairs:
         return (f"{where}; CheckFree needs both neighbours of a lost stage, and stages "

@@ -1,17 +1,23 @@
 """model.pipeline_order=checkfree_plus: a pp=4 Trainer routes every second micro-batch the swapped way and keeps
-its replicas bitwise equal to their sources (weights and both Adam moments), as the tied head is kept."""
+its replicas bitwise equal to their sources (weights and both Adam moments), as the tied head is kept; a lost
+first or last stage is rebuilt from its stand-in's layers and exact copies of its (de)embedding."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatier.config import (
+    CheckpointConfig,
     Config,
     ConfigError,
     DataConfig,
+    DiffStreamConfig,
+    LocalTierConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -27,7 +33,8 @@ pytestmark = pytest.mark.timeout(240)
 STEPS = 4
 
 
-def _config(tmp: str, order: str, run: str = "run") -> Config:
+def _config(tmp: str, order: str, run: str = "run", checkpoint: str = "") -> Config:
+    """``checkpoint``: "" (off), "stop" or "checkfree" (Tier-1 in <tmp>/shm, lossless diffs, last_resort)."""
     return Config(
         model=ModelConfig(name="tiny4", num_layers=4, hidden_size=32, num_heads=4, max_position_embeddings=32,
                           pipeline_order=order),
@@ -38,6 +45,10 @@ def _config(tmp: str, order: str, run: str = "run") -> Config:
                           eval_interval=10**6, eval_iters=1),
         logging=LoggingConfig(name="cfplus", run_dir=os.path.join(tmp, run), progress=False,
                               wandb=WandbConfig(mode="disabled")),
+        checkpoint=CheckpointConfig(enabled=bool(checkpoint), tiers=["local"], base_interval=4, job_id="cfplus",
+                                    diff=DiffStreamConfig(batch=2, compression="fp32"),
+                                    local=LocalTierConfig(root=os.path.join(tmp, "shm")),
+                                    last_resort=checkpoint or "stop"),
     )
 
 
@@ -95,3 +106,60 @@ def test_checkfree_plus_needs_four_stages_and_equal_stages(corpus_prefix, tmp_pa
     cfg.train.global_batch_size = 2
     with pytest.raises(ConfigError, match="each rank gets 1"):
         validate(cfg, world_size=4)
+
+
+def _params(trainer: Trainer) -> dict:
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+
+def _first(rank: int, tmp: str) -> dict:
+    os.environ["MEGATIER_NODE_NAME"] = "node0"
+    trainer = Trainer(_config(tmp, "checkfree_plus", "first", checkpoint="stop"))
+    trainer.train()
+    out = _params(trainer)
+    trainer.close()
+    return out
+
+
+def _again(rank: int, tmp: str, run: str) -> dict:
+    os.environ["MEGATIER_NODE_NAME"] = "node0"
+    cfg = _config(tmp, "checkfree_plus", run, checkpoint="checkfree")
+    cfg.train.iters = STEPS + 2
+    trainer = Trainer(cfg)
+    trainer.restore()
+    o = trainer.optimizer
+    out = {"step": trainer.step, "params": _params(trainer), "moments": float(o.exp_avg.abs().sum()),
+           "lr_scale": o.lr_scale}
+    trainer.train()
+    trainer.close()
+    if rank == 0:
+        with open(os.path.join(tmp, run, "metrics.jsonl")) as f:
+            out["record"] = next(r for r in map(json.loads, f) if r.get("event") == "recovery")
+    return out
+
+
+@pytest.mark.parametrize("lost", [0, 3])
+def test_a_lost_end_stage_is_rebuilt_from_its_stand_in(corpus_prefix, tmp_path, lost):
+    (tmp_path / "corpus.txt").write_text(corpus_prefix)
+    tmp = str(tmp_path)
+    before = run_world(_first, 4, tmp_path, tmp, timeout_s=120)
+    shutil.rmtree(tmp_path / "shm" / "cfplus" / "node0" / "own" / f"rank{lost:05d}")
+    after = run_world(_again, 4, tmp_path, tmp, "again", timeout_s=120)
+    assert [a["step"] for a in after] == [STEPS] * 4
+    rebuilt, stand_in = after[lost]["params"], 1 if lost == 0 else 2
+    # Its layer is a copy of its stand-in's; its (de)embedding an exact copy of the survivors' copies.
+    for name, p in rebuilt.items():
+        if name.startswith("layers."):
+            want = before[stand_in][name.replace(f"layers.{lost}.", f"layers.{stand_in}.")]
+        elif name in ("word.weight", "head_weight"):
+            want = before[3 - lost]["head_weight" if lost == 0 else "word.weight"]
+        else:
+            want = before[stand_in][name.replace(".", "_replica.", 1)]
+        assert torch.equal(p, want), name
+    for stage in set(range(4)) - {lost}:
+        assert all(torch.equal(p, before[stage][n]) for n, p in after[stage]["params"].items())
+    assert after[lost]["moments"] == 0.0 and after[lost]["lr_scale"] == 1.1
+    (rb,) = after[0]["record"]["checkfree"]["rebuilds"]
+    assert rb["stand_in"] and rb["neighbours"] == [stand_in]
+    assert set(rb["exact_copies"]) == ({"word.weight", "pos.weight"} if lost == 0 else
+                                       {"word.weight", "final_norm.weight", "final_norm.bias"})

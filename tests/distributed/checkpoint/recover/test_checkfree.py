@@ -136,7 +136,8 @@ def test_a_lost_intermediate_stage_is_rebuilt_from_its_neighbours(corpus_prefix,
     assert record["exact"] is False and record["end"] == E and record["steps_lost"] == 0
     cf = record["checkfree"]
     assert cf["stages"] == [LOST] and cf["init"] == "weighted" and cf["exact"] is False
-    assert cf["rebuilds"] == [{"stage": LOST, "neighbours": [1, 3], "weights": [w_prev, w_next]}]
+    assert cf["rebuilds"] == [{"stage": LOST, "neighbours": [1, 3], "weights": [w_prev, w_next], "stand_in": False,
+                              "exact_copies": {}}]
     steps = after[0]["steps"]
     assert [s["step"] for s in steps] == list(range(E + 1, E + MORE + 1))
     assert all(s["inexact_since"] == E for s in steps)

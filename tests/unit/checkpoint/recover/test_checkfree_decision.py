@@ -35,8 +35,7 @@ def test_a_stage_is_lost_only_when_every_one_of_its_ranks_has_no_base():
 def test_refusals_name_the_stages():
     assert checkfree_refusal([1], 4) is None
     assert checkfree_refusal([1, 3], 5) is None  # two stages, each with both neighbours
-    for lost, pp in (([0], 4), ([3], 4)):
-        assert "only intermediate stages" in checkfree_refusal(lost, pp)
+    assert checkfree_refusal([0], 4) is None  # an end stage: plan() decides, knowing whether stand-ins exist
     assert "stages 1 and 2 are consecutive" in checkfree_refusal([1, 2], 4)
 
 
@@ -52,9 +51,7 @@ def test_checkfree_agrees_among_the_other_stages():
     assert c.chains[0] == [B(6), D(7, 8), D(9, 10)]
 
 
-def test_checkfree_refuses_the_first_stage_and_consecutive_stages():
-    with pytest.raises(RecoveryError, match=r"refusing to recover with checkpoint.last_resort=checkfree.*\[0\]"):
-        _decide(_all_but(0), "checkfree")
+def test_checkfree_refuses_consecutive_stages():
     cs = [c for c in _all_but(1) if c.owner not in (4, 5)]
     with pytest.raises(RecoveryError, match="stages 1 and 2 are consecutive"):
         _decide(cs, "checkfree")
@@ -66,23 +63,56 @@ def test_checkfree_does_not_cover_a_partly_lost_stage():
         _decide(cs, "checkfree")
 
 
+def _names(layers_per_stage: int = 1, pp: int = 4, plus: bool = False) -> list[set[str]]:
+    """Parameter names per stage of a GPT on ``pp`` stages (one per layer part), with CheckFree+'s replicas."""
+    out = []
+    for s in range(pp):
+        names = {f"layers.{s * layers_per_stage + k}.attn.qkv.weight" for k in range(layers_per_stage)}
+        names |= {"word.weight", "pos.weight"} if s == 0 else set()
+        names |= {"head_weight", "final_norm.weight", "final_norm.bias"} if s == pp - 1 else set()
+        names |= {"pos_replica.weight"} if plus and s == 1 else set()
+        names |= {"final_norm_replica.weight", "final_norm_replica.bias"} if plus and s == pp - 2 else set()
+        out.append(names)
+    return out
+
+
 def test_weights_are_each_stages_squared_gradient_norm():
     parts = [1.0, 2.0, 0.5, 0.25, 3.0, None, 4.0, 4.0]
     assert stage_sumsq(parts, PP4) == [3.0, 0.75, None, 8.0]
-    layers = [[0], [1], [2], [3]]
-    (rb,) = plan([2], layers, [3.0, 0.75, None, 8.0], 10, "weighted")
-    assert rb.sources == ((1, 0.75), (3, 8.0)) and rb.renames == ({1: 2}, {3: 2})
-    (rb,) = plan([2], layers, [3.0, 0.75, None, 8.0], 10, "copy")
+    sumsq = [3.0, 0.75, None, 8.0]
+    (rb,) = plan([2], _names(), sumsq, 10, "weighted")
+    assert rb.sources == ((1, 0.75), (3, 8.0)) and rb.renames == ({1: 2}, {3: 2}) and rb.extras == {}
+    (rb,) = plan([2], _names(), sumsq, 10, "copy")
     assert rb.sources == ((1, 1.0),)
-    (rb,) = plan([2], layers, [3.0, 0.75, None, 8.0], 10, "random")
+    (rb,) = plan([2], _names(), sumsq, 10, "random")
     assert rb.sources == ()
 
 
-def test_plan_refuses_unequal_stages_and_unknown_norms():
-    with pytest.raises(RecoveryError, match="holds 1 transformer layers and its neighbour stage 1 2"):
-        plan([2], [[0, 1], [2, 3], [4], [5]], [1.0, 1.0, None, 1.0], 10, "weighted")
+def test_plan_refuses_unequal_stages_unknown_norms_and_ends_without_stand_ins():
+    names = _names(2)
+    names[2] = {"layers.4.attn.qkv.weight"}
+    with pytest.raises(RecoveryError, match="stage 2: it holds 1 transformer layers and stage 1 2"):
+        plan([2], names, [1.0, 1.0, None, 1.0], 10, "weighted")
     with pytest.raises(RecoveryError, match="neighbour stage 3 is not recorded at step 10"):
-        plan([2], [[0], [1], [2], [3]], [1.0, 1.0, None, None], 10, "weighted")
+        plan([2], _names(), [1.0, 1.0, None, None], 10, "weighted")
+    for end in (0, 3):
+        with pytest.raises(RecoveryError, match=f"stage {end}: it holds the embedding or the output head.*"
+                                                f"checkfree_plus"):
+            plan([end], _names(), [1.0] * 4, 10, "weighted")
+
+
+def test_checkfree_plus_rebuilds_an_end_stage_from_its_stand_in_and_exact_copies():
+    names = _names(plus=True)
+    (rb,) = plan([0], names, [None, 1.0, 1.0, 1.0], 10, "weighted")
+    assert rb.stand_in and rb.sources == ((1, 1.0),) and rb.renames == ({1: 0},)
+    assert rb.extras == {"word.weight": 3, "pos.weight": 1}  # the tied head; stage 1's replica
+    (rb,) = plan([3], names, [1.0, 1.0, 1.0, None], 10, "weighted")
+    assert rb.sources == ((2, 1.0),) and rb.extras == {"word.weight": 0, "final_norm.weight": 2,
+                                                       "final_norm.bias": 2}
+    (rb,) = plan([1], names, [2.0, None, 3.0, 1.0], 10, "weighted")  # an intermediate stage: its replica too
+    assert rb.sources == ((0, 2.0), (2, 3.0)) and rb.extras == {"pos.weight": 0}
+    with pytest.raises(RecoveryError, match="no surviving stage holds word.weight"):
+        plan([0, 4], _names(pp=5, plus=True), [None, 1.0, 1.0, 1.0, None], 10, "weighted")
 
 
 def test_mix_is_the_weighted_average_in_float64():
