@@ -1,11 +1,12 @@
 """CheckFree: a pipeline stage lost from every tier is rebuilt from its neighbours, and the run goes on.
 
-A tiny GPT of 4 layers on pp=4 (one layer per stage) trains E steps with Tier-1 and Tier-3 (lossless diffs),
-then stage 2 loses every copy: its Tier-1 area and its Tier-3 objects are deleted (its Tier-3 units stay
-committed, so restore only finds them missing when it reads them). Relaunched with
+A tiny GPT with one layer per stage (pp=4, and pp=3 with tp=2 or dp=2) trains E steps with Tier-1 and Tier-3
+(lossless diffs), then an intermediate stage loses every copy: its Tier-1 area and its Tier-3 objects are
+deleted (its Tier-3 units stay committed, so restore only finds them missing when it reads them). Relaunched with
 ``checkpoint.last_resort=checkfree``:
-- the other stages resume exactly at E (no step lost); stage 2's weights equal, bit for bit, the average of
-  stage 1's and stage 3's layer at E weighted by their last squared gradient norms; its Adam moments and count
+- the other stages resume exactly at E (no step lost); the lost stage's weights equal, bit for bit and on each
+  tp rank, the average of its neighbours' layer at E weighted by their last squared gradient norms (each the
+  sum over the stage's ranks); its Adam moments and count
   start at zero and its lr is the schedule's times 1.1;
 - the recovery record and every later step record say the state is not exact;
 - with the default ``last_resort=stop`` the same relaunch stops, naming the lost stage.
@@ -42,13 +43,15 @@ from megatier.training.trainer import Trainer
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(300)
-JOB, E, MORE, LOST = "checkfreejob", 8, 3, 2
+JOB, E, MORE = "checkfreejob", 8, 3
+CASES = {"pp4": ((1, 4, 1), 2), "tp2": ((2, 3, 1), 1), "dp2": ((1, 3, 2), 1)}  # (tp, pp, dp), the lost stage
 
 
-def _config(tmp: str, run: str, iters: int, last_resort: str = "stop") -> Config:
+def _config(tmp: str, run: str, iters: int, degrees, last_resort: str = "stop") -> Config:
+    tp, pp, _ = degrees
     return Config(
-        model=ModelConfig(name="tiny4", num_layers=4, hidden_size=32, num_heads=4, max_position_embeddings=32),
-        parallel=ParallelConfig(tp=1, pp=4, timeout_s=60.0),
+        model=ModelConfig(name="tiny", num_layers=pp, hidden_size=32, num_heads=4, max_position_embeddings=32),
+        parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
         optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2, decay_iters=20, clip_grad=1.0),
         data=DataConfig(prefix=Path(tmp, "corpus.txt").read_text(), seq_len=32),
         train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=5, device="cpu", threads=1,
@@ -63,19 +66,19 @@ def _config(tmp: str, run: str, iters: int, last_resort: str = "stop") -> Config
     )
 
 
-def _first_run(rank: int, tmp: str) -> dict:
+def _first_run(rank: int, tmp: str, degrees) -> dict:
     os.environ["MEGATIER_NODE_NAME"] = "node0"
-    trainer = Trainer(_config(tmp, "first", E))
+    trainer = Trainer(_config(tmp, "first", E, degrees))
     trainer.train()
     out = {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-           "sumsq": float(trainer.optimizer.last_sumsq)}
+           "sumsq": float(trainer.optimizer.last_sumsq), "stage": trainer.ps.pp_rank, "tp_rank": trainer.ps.tp_rank}
     trainer.close()
     return out
 
 
-def _relaunch(rank: int, tmp: str, last_resort: str) -> dict:
+def _relaunch(rank: int, tmp: str, degrees, last_resort: str) -> dict:
     os.environ["MEGATIER_NODE_NAME"] = "node0"
-    trainer = Trainer(_config(tmp, f"again-{last_resort}", E + MORE, last_resort))
+    trainer = Trainer(_config(tmp, f"again-{last_resort}", E + MORE, degrees, last_resort))
     try:
         trainer.restore()
     except RecoveryError as e:
@@ -106,38 +109,43 @@ def _lose_stage(tmp: str, ranks: list[int]) -> None:
             os.remove(path)
 
 
-def test_a_lost_intermediate_stage_is_rebuilt_from_its_neighbours(corpus_prefix, tmp_path):
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_lost_intermediate_stage_is_rebuilt_from_its_neighbours(case, corpus_prefix, tmp_path):
+    degrees, lost = CASES[case]
+    world = degrees[0] * degrees[1] * degrees[2]
     (tmp_path / "corpus.txt").write_text(corpus_prefix)
     tmp = str(tmp_path)
-    before = run_world(_first_run, 4, tmp_path, tmp, timeout_s=120)
-    _lose_stage(tmp, [LOST])
+    before = run_world(_first_run, world, tmp_path, tmp, degrees, timeout_s=120)
+    _lose_stage(tmp, [r for r in range(world) if before[r]["stage"] == lost])
 
-    stopped = run_world(_relaunch, 4, tmp_path, tmp, "stop", timeout_s=120)
-    for res in stopped:
-        assert "stage(s) [2] lost every copy: checkpoint.last_resort=checkfree" in res["error"], res["error"]
+    if case == "pp4":
+        stopped = run_world(_relaunch, world, tmp_path, tmp, degrees, "stop", timeout_s=120)
+        for res in stopped:
+            assert f"stage(s) [{lost}] lost every copy: checkpoint.last_resort=checkfree" in res["error"], res["error"]
 
-    after = run_world(_relaunch, 4, tmp_path, tmp, "checkfree", timeout_s=120)
-    assert [a["step"] for a in after] == [E] * 4, "the other stages must resume at E: no step lost"
-    for stage in (0, 1, 3):  # resumed exactly
-        for name, p in after[stage]["params"].items():
-            assert torch.equal(p, before[stage]["params"][name]), name
-    w_prev, w_next = before[LOST - 1]["sumsq"], before[LOST + 1]["sumsq"]
-    rebuilt = after[LOST]["params"]
-    assert set(rebuilt) == {n.replace("layers.1.", "layers.2.") for n in before[LOST - 1]["params"]}
-    for name, p in rebuilt.items():
-        a = before[LOST - 1]["params"][name.replace("layers.2.", "layers.1.")]
-        b = before[LOST + 1]["params"][name.replace("layers.2.", "layers.3.")]
-        assert torch.equal(p, mix([a, b], [w_prev, w_next])), name
-        assert not torch.equal(p, before[LOST]["params"][name])
-    assert (after[LOST]["moments"], after[LOST]["adam_steps"], after[LOST]["lr_scale"]) == (0.0, 0, 1.1)
-    assert after[0]["lr_scale"] == 1.0
+    after = run_world(_relaunch, world, tmp_path, tmp, degrees, "checkfree", timeout_s=120)
+    assert [a["step"] for a in after] == [E] * world, "the other stages must resume at E: no step lost"
+    weight = {s: sum(b["sumsq"] for b in before if b["stage"] == s) for s in (lost - 1, lost + 1)}
+    for rank, res in enumerate(after):
+        if before[rank]["stage"] != lost:  # resumed exactly
+            assert all(torch.equal(p, before[rank]["params"][n]) for n, p in res["params"].items())
+            assert res["lr_scale"] == 1.0
+            continue
+        side = {s: next(b["params"] for b in before if b["stage"] == s and b["tp_rank"] == before[rank]["tp_rank"])
+                for s in weight}
+        for name, p in res["params"].items():
+            a, b = (side[s][name.replace(f"layers.{lost}.", f"layers.{s}.")] for s in (lost - 1, lost + 1))
+            assert torch.equal(p, mix([a, b], [weight[lost - 1], weight[lost + 1]])), name
+            assert not torch.equal(p, before[rank]["params"][name])
+        assert (res["moments"], res["adam_steps"], res["lr_scale"]) == (0.0, 0, 1.1)
 
     record = after[0]["record"]
     assert record["exact"] is False and record["end"] == E and record["steps_lost"] == 0
     cf = record["checkfree"]
-    assert cf["stages"] == [LOST] and cf["init"] == "weighted" and cf["exact"] is False
-    assert cf["rebuilds"] == [{"stage": LOST, "neighbours": [1, 3], "weights": [w_prev, w_next], "stand_in": False,
-                              "exact_copies": {}}]
+    assert cf["stages"] == [lost] and cf["init"] == "weighted" and cf["exact"] is False
+    assert cf["rebuilds"] == [{"stage": lost, "neighbours": [lost - 1, lost + 1],
+                               "weights": [weight[lost - 1], weight[lost + 1]], "stand_in": False,
+                               "exact_copies": {}}]
     steps = after[0]["steps"]
     assert [s["step"] for s in steps] == list(range(E + 1, E + MORE + 1))
     assert all(s["inexact_since"] == E for s in steps)

@@ -1,0 +1,95 @@
+"""CheckFree's rebuilds ordered as in the paper's Figure 2 (002_*.txt), at a size CI can run.
+
+A tiny GPT (4 layers, hidden 64) on pp=4 trains 400 steps with Tier-1 checkpointing; then stage 2 loses every
+copy. Four relaunches from copies of the same node memory restore step 400 and train 5 more steps: nothing lost
+(the fault-free run), and stage 2 rebuilt as CheckFree's weighted average, a copy of stage 1, a fresh
+initialisation. The validation loss right after the recovery and 5 steps later must order
+fault-free < weighted < copy < random (``benchmarks/bench_checkfree.py`` runs the longer experiment).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megatier.config import (
+    CheckFreeConfig,
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DiffStreamConfig,
+    LocalTierConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    WandbConfig,
+)
+from megatier.training.trainer import Trainer
+from tests.distributed.world import run_world
+
+pytestmark = pytest.mark.timeout(600)
+JOB, FAIL, AFTER, LOST, SEED = "cfconv", 400, 5, 2, 7
+
+
+def _config(tmp: str, memory: str, iters: int, init: str, seed: int) -> Config:
+    return Config(
+        model=ModelConfig(name="tiny", num_layers=4, hidden_size=64, num_heads=4, max_position_embeddings=128),
+        parallel=ParallelConfig(tp=1, pp=4, timeout_s=60.0),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=20, decay_iters=FAIL + AFTER),
+        data=DataConfig(prefix=Path(tmp, "corpus.txt").read_text(), seq_len=64),
+        train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=seed, device="cpu", threads=1,
+                          eval_interval=10**6, eval_iters=32),
+        checkpoint=CheckpointConfig(enabled=True, tiers=["local"], base_interval=50, job_id=JOB,
+                                    diff=DiffStreamConfig(batch=5, compression="fp32"),
+                                    local=LocalTierConfig(root=os.path.join(tmp, memory)),
+                                    last_resort="checkfree", checkfree=CheckFreeConfig(init=init)),
+        logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, f"run-{memory}"), progress=False,
+                              wandb=WandbConfig(mode="disabled")),
+    )
+
+
+def _train(rank: int, tmp: str, seed: int) -> None:
+    os.environ["MEGATIER_NODE_NAME"] = "node0"
+    trainer = Trainer(_config(tmp, "shm", FAIL, "weighted", seed))
+    trainer.train()
+    trainer.close()
+
+
+def _resume(rank: int, tmp: str, memory: str, init: str, seed: int) -> tuple[float, float]:
+    """Validation loss right after the recovery and AFTER steps later."""
+    os.environ["MEGATIER_NODE_NAME"] = "node0"
+    trainer = Trainer(_config(tmp, memory, FAIL + AFTER, init, seed))
+    trainer.restore()
+    assert trainer.step == FAIL
+    at_recovery = trainer.evaluate()
+    trainer.train()
+    later = trainer.evaluate()
+    trainer.close()
+    return at_recovery, later
+
+
+def losses_after_loss(tmp_path: Path, seed: int) -> dict[str, tuple[float, float]]:
+    """Each variant's validation loss (right after the recovery, AFTER steps later); corpus.txt in tmp_path."""
+    tmp = str(tmp_path)
+    run_world(_train, 4, tmp_path, tmp, seed, timeout_s=300)
+    losses = {}
+    for variant in ("fault-free", "weighted", "copy", "random"):
+        memory = f"shm-{variant}"
+        shutil.copytree(tmp_path / "shm", tmp_path / memory)
+        if variant != "fault-free":
+            shutil.rmtree(tmp_path / memory / JOB / "node0" / "own" / f"rank{LOST:05d}")
+        init = "weighted" if variant == "fault-free" else variant
+        losses[variant] = run_world(_resume, 4, tmp_path, tmp, memory, init, seed, timeout_s=300)[0]
+    return losses
+
+
+def test_weighted_beats_copy_beats_random(corpus_prefix, tmp_path):
+    (tmp_path / "corpus.txt").write_text(corpus_prefix)
+    losses = losses_after_loss(tmp_path, SEED)
+    for k, when in enumerate(("right after the recovery", f"{AFTER} steps later")):
+        order = sorted(losses, key=lambda v: losses[v][k])
+        assert order == ["fault-free", "weighted", "copy", "random"], (when, losses)
