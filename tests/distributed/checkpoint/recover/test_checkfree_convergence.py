@@ -1,16 +1,15 @@
 """CheckFree's rebuild against its baselines (the paper's Figure 2, 002_*.txt), at a size CI can run.
 
-A tiny GPT (4 layers, hidden 64) on pp=4 trains 400 steps with Tier-1 checkpointing; then stage 2 loses every
-copy. Four relaunches from copies of the same node memory restore step 400 and train 5 more steps: nothing lost
-(the fault-free run), and stage 2 rebuilt as CheckFree's weighted average, a copy of stage 1, a fresh
-initialisation. The validation loss right after the recovery and 5 steps later must order
-fault-free < weighted < copy.
+A tiny GPT (4 layers, hidden 64) on pp=4 trains 400 steps on 8 MiB of the standard library (byte level, as the
+default corpus) with Tier-1 checkpointing; then stage 2 loses every copy. Four relaunches from copies of the same
+node memory restore step 400 and train 5 more steps: nothing lost (the fault-free run), and stage 2 rebuilt as
+CheckFree's weighted average, a copy of stage 1, a fresh initialisation. Right after the recovery and 5 steps
+later, the fault-free run must have the lowest validation loss and CheckFree's average the lowest of the
+rebuilds.
 
-Where a fresh initialisation falls is not asserted: at this size (seeds 7, 1234, 11, 3 on this corpus) it lands
-level with the weighted average (within 0.002 either side) and below the copy, since a freshly initialised
-stage is close to the identity on the residual stream and a model this small barely misses one of its four
-layers. The longer experiment, where the stage matters more, is ``benchmarks/bench_checkfree.py`` (its table,
-with the paper's full order, is in README's "Last resort" section).
+Copy against fresh initialisation is not asserted: at this size their order depends on the seed (copy ahead in
+4 of 6 runs tried: seeds 1234, 7, 11, 3 in benchmarks/bench_checkfree.py, 7 and 11 here). The longer experiment,
+where the stage matters more, is ``benchmarks/bench_checkfree.py``; its table is in README's "Last resort".
 """
 from __future__ import annotations
 
@@ -34,6 +33,7 @@ from megatier.config import (
     TrainConfig,
     WandbConfig,
 )
+from megatier.data.corpus import build_dataset, stdlib_files
 from megatier.training.trainer import Trainer
 from tests.distributed.world import run_world
 
@@ -93,10 +93,11 @@ def losses_after_loss(tmp_path: Path, seed: int) -> dict[str, tuple[float, float
     return losses
 
 
-def test_weighted_beats_copy(corpus_prefix, tmp_path):
-    (tmp_path / "corpus.txt").write_text(corpus_prefix)
+def test_the_weighted_average_is_the_best_rebuild(tmp_path):
+    prefix = str(tmp_path / "stdlib_8mib")
+    build_dataset(stdlib_files(8 * 2**20), prefix, tokenizer="byte")
+    (tmp_path / "corpus.txt").write_text(prefix)
     losses = losses_after_loss(tmp_path, SEED)
     for k, when in enumerate(("right after the recovery", f"{AFTER} steps later")):
-        ordered = [losses[v][k] for v in ("fault-free", "weighted", "copy")]
-        assert ordered == sorted(ordered) and len(set(ordered)) == 3, (when, losses)
-        assert losses["random"][k] > losses["fault-free"][k], (when, losses)
+        best = sorted(losses, key=lambda v: losses[v][k])
+        assert best[:2] == ["fault-free", "weighted"], (when, losses)
