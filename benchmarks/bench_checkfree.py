@@ -22,7 +22,11 @@ step; its copies relaunch as ``plus fault-free`` and ``plus stage 0`` (the first
 stage lost: rebuilt from its stand-in, stage 1, and exact copies of its
 embedding). What the swapped order costs without failures is the difference of
 the two orders before the failure: validation loss at ``--fail-at`` and the
-median step time of each failed launch.
+median step time of each failed launch. Step times of launches that ran at
+different moments are not comparable on a shared box: ``--timing R`` instead
+runs R short fault-free launches of each order alternately (``--timing-steps``
+steps each, no checkpointing) and prints each order's median step time over
+every launch with the spread of the launches' medians.
 The table gives the validation loss (``eval_iters`` held-out batches every
 ``eval_interval`` steps) at fixed steps after the recovery, and each variant's gap
 to the fault-free run there; ``--json`` writes the curves.
@@ -102,6 +106,23 @@ def before_failure(failed: Job) -> dict:
     return {"val_step": val[-1][0], "val_loss": val[-1][1], "step_ms": 1000 * times[len(times) // 2]}
 
 
+def timing(args) -> dict[str, list[float]]:
+    """Median step time (ms) of each of ``--timing`` alternating fault-free launches per order."""
+    out: dict[str, list[float]] = {"standard": [], "checkfree_plus": []}
+    for r in range(args.timing):
+        for order in out:
+            job = _job(os.path.join(args.work_dir, f"timing-{order}-{r}"), args,
+                       [f"model.pipeline_order={order}", f"train.iters={args.timing_steps}", "checkpoint.enabled=false",
+                        f"train.eval_interval={args.timing_steps}"])
+            os.makedirs(job.work)
+            if launch(_cluster_args(args), job, "timing") != 0:
+                raise SystemExit(f"bench_checkfree: timing launch failed; see {job.work}/timing.log")
+            steps = [rec["iter_time_s"] for rec in read_metrics(job) if "iter_time_s" in rec]
+            times = sorted(steps[1:])  # the first step warms up
+            out[order].append(1000 * times[len(times) // 2])
+    return out
+
+
 def table(results: dict[str, dict], steps: list[int]) -> str:
     """Validation loss per variant at ``steps``, and the gap to the fault-free run (absolute, %)."""
     ref = results["fault-free"]["val_loss"]
@@ -145,6 +166,8 @@ def parse_args(argv: list[str]) -> Namespace:
     p.add_argument("--iters", type=int, default=600)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--plus", action="store_true", help="also a checkfree_plus job losing its first stage")
+    p.add_argument("--timing", type=int, default=0, help="only time R alternating launches of each order")
+    p.add_argument("--timing-steps", type=int, default=60)
     p.add_argument("--work-dir", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=1800.0)
@@ -166,6 +189,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.work_dir = os.path.abspath(args.work_dir or tempfile.mkdtemp(prefix="megatier_checkfree_"))
     if os.path.exists(args.work_dir) and os.listdir(args.work_dir):
         raise SystemExit(f"bench_checkfree: {args.work_dir} is not empty; give a fresh --work-dir")
+    if args.timing:
+        times = timing(args)
+        for order, ms in times.items():
+            print(f"{order}: median step {sorted(ms)[len(ms) // 2]:.1f} ms over {args.timing} launches "
+                  f"(launch medians {', '.join(f'{m:.1f}' for m in ms)})")
+        return 0
     results, orders = run(args)
     every = next(int(o.split("=")[1]) for o in [*DEFAULTS, *args.overrides][::-1]
                  if o.startswith("train.eval_interval="))
