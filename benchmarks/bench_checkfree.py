@@ -25,7 +25,7 @@ the two orders before the failure: validation loss at ``--fail-at`` and the
 median step time of each failed launch. Step times of launches that ran at
 different moments are not comparable on a shared box: ``--timing R`` instead
 runs R short fault-free launches of each order alternately (``--timing-steps``
-steps each, no checkpointing) and prints each order's median step time over
+steps each, checkpointing as configured) and prints each order's median step time over
 every launch with the spread of the launches' medians.
 The table gives the validation loss (``eval_iters`` held-out batches every
 ``eval_interval`` steps) at fixed steps after the recovery, and each variant's gap
@@ -112,7 +112,7 @@ def timing(args) -> dict[str, list[float]]:
     for r in range(args.timing):
         for order in out:
             job = _job(os.path.join(args.work_dir, f"timing-{order}-{r}"), args,
-                       [f"model.pipeline_order={order}", f"train.iters={args.timing_steps}", "checkpoint.enabled=false",
+                       [f"model.pipeline_order={order}", f"train.iters={args.timing_steps}",
                         f"train.eval_interval={args.timing_steps}"])
             os.makedirs(job.work)
             if launch(_cluster_args(args), job, "timing") != 0:
