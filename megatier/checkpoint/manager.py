@@ -223,7 +223,7 @@ class CheckpointManager:
         self.worker.flush(self.ctx.timeout_s)
         o = self.shard.optimizer
         mine = self._auto.figures(save_thread_base_s=self.worker.base_seconds[0] if self.worker.base_seconds else 0.0,
-                                  upload_s=self._last.get("t3_base_upload_s"), node=self.ctx.node,
+                                  upload_s=self._tier_metric("t3_base_upload_s"), node=self.ctx.node,
                                   replay_s=replay_seconds_per_step(o.master, o.cfg, o.decay_ranges))
         choice, costs, mtbf = decide(self.cfg, self.ctx.comm.gather(mine, what="the base interval decision"))
         self._auto = None
@@ -233,6 +233,10 @@ class CheckpointManager:
         self._once = {"base_interval": choice.interval, "base_interval_goodput": choice.goodput}
         if self.ctx.rank == 0:
             log.info("%s", choice.describe(costs, mtbf))
+
+    def _tier_metric(self, key: str):
+        """A tier's metric now (the loop's own reading, for a one-time decision), None if no tier has it."""
+        return next((m[key] for t in self.ctx.tiers if key in (m := t.metrics())), None)
 
     def _save_step_unit(self, record) -> None:
         """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
@@ -305,8 +309,7 @@ class CheckpointManager:
     def _apply_sync(self, step: int, tiers: list, rows: list[list[int]]) -> None:
         columns = {t.label: [row[i] for row in rows] for i, t in enumerate(tiers)}
         self._last = recovery_points(columns, step)
-        for tier in tiers:
-            self._last.update(tier.metrics())
+        self._last.update(self.worker.tier_metrics)  # taken on the save thread after its previous reclaim
         committed = rows[0][-1]  # the coordinator's (global rank 0's) newest committed base
         if committed != _NONE and (self.watermark is None or committed > self.watermark):
             self.watermark = committed
