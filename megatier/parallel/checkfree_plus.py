@@ -38,6 +38,12 @@ def replicas_of(pipeline_order: str, pp: int, stage: int) -> tuple[str, ...]:
     return tuple(kind for kind, holder in _REPLICA_HOLDERS.items() if holder % pp == stage)
 
 
+def has_stand_ins(stage_names) -> bool:
+    """Whether a job whose stages hold ``stage_names`` (a set of parameter names per stage) trained with
+    CheckFree+: its first and last stage have stand-ins exactly when its replicas exist."""
+    return any(name in names for names in stage_names for params in _REPLICA_PARAMS.values() for name in params)
+
+
 def stand_in(stage: int, pp: int) -> int:
     """The stage whose layers stand in for a lost first or last stage: its swap partner."""
     if stage not in (0, pp - 1):

@@ -61,7 +61,7 @@ from megatier.checkpoint.recover.reshard import pack_pieces, unpack_pieces
 from megatier.checkpoint.shard import ShardAccess
 from megatier.optim.canonical import Piece, ShardState, canonical_name, place, positions, select, shard_pieces
 from megatier.optim.flat import ShardSegment
-from megatier.parallel.checkfree_plus import stand_in
+from megatier.parallel.checkfree_plus import has_stand_ins, stand_in
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _layer_sources(i: int, pp: int, stage_names: Sequence[set[str]], sumsq: Sequ
                    init: str) -> tuple[tuple[tuple[int, float], ...], bool]:
     """Where stage ``i``'s layers come from: ((stage, weight), ...) and whether it is a CheckFree+ stand-in."""
     if i in (0, pp - 1):
-        if pp < 4 or not any("pos_replica.weight" in names for names in stage_names):
+        if pp < 4 or not has_stand_ins(stage_names):
             raise _refuse(i, "it holds the embedding or the output head, and CheckFree rebuilds only intermediate "
                              "stages; a job trained with model.pipeline_order=checkfree_plus (pp >= 4) can rebuild "
                              "it from its stand-in. Restore its units (e.g. a Tier-3 copy) and relaunch")
