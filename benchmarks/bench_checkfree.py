@@ -140,7 +140,7 @@ def report_steps(fail_at: int, iters: int, every: int) -> list[int]:
     """The first evaluation after the recovery, then a few spread up to the end."""
     first = (fail_at // every + 1) * every
     picks = {first, first + every, fail_at + (iters - fail_at) // 4, fail_at + (iters - fail_at) // 2, iters}
-    return sorted(s for s in picks if s <= iters and s % every == 0 or s == iters)
+    return sorted(s for s in picks if s <= iters and (s % every == 0 or s == iters))
 
 
 def run(args) -> tuple[dict, dict]:
