@@ -62,8 +62,12 @@ def compress_segments(
     sample_size: int,
     seed: int,
     chunk_size: int,
+    feedback: bool = False,
 ) -> list[torch.Tensor]:
     """CPU only. Compress segment s of ``flat`` with codec ``codecs[s]`` (a PIECE_* kind other than ZERO).
+
+    With ``feedback``, ``flat`` is left holding ``flat - decode(record)`` (the error-feedback residual),
+    bitwise what decompressing the record and subtracting it gives.
 
     Returns the pools ``[int8 codes, int8 scales, topk values, topk indices, topk chunk counts (int64,
     one per chunk of each top-k segment, in order), bf16 values, fp32 values]``; top-k chunk c of

@@ -130,9 +130,7 @@ class ShardAccess:
                 self.residual = torch.zeros_like(grad)
             grad = self.residual.add_(grad)
         record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio, cfg.small_threshold,
-                                       seed=step)
-        if lossy:
-            self.residual.sub_(ops.decompress_segments(record))
+                                       seed=step, feedback=lossy)  # the residual keeps what the record left out
         tensors = {k: v.contiguous() for k, v in record.tensors.items()}
         return DiffStep(step, lr, adam_step, False, tensors, record.header, self.grad_sumsq), record.nbytes
 

@@ -136,6 +136,16 @@ inline void bf16_range(const float* __restrict x, int64_t len, uint16_t* __restr
   for (int64_t i = 0; i < len; ++i) out[i] = f32_to_bf16_bits(x[i]);
 }
 
+// Error feedback, x -= decoded value, with the decoder's own float operations (pieces.cpp's decode_range)
+// so the result equals decompressing the record and subtracting it, bit for bit.
+inline void subtract_dequant(const int8_t* __restrict codes, int64_t len, float scale, float* __restrict x) {
+  for (int64_t i = 0; i < len; ++i) x[i] -= (float)codes[i] * scale;
+}
+
+inline void subtract_bf16(const uint16_t* __restrict bits, int64_t len, float* __restrict x) {
+  for (int64_t i = 0; i < len; ++i) x[i] -= bf16_bits_to_f32(bits[i]);
+}
+
 // ---------------------------------------------------------------------------
 // Top-k by sampled threshold.
 
@@ -406,6 +416,13 @@ int64_t parts_count(const std::vector<Part>& parts) {
   return c;
 }
 
+// Error feedback for one top-k chunk: only its kept entries change (x - 0 is x for every other one).
+void subtract_kept(const std::vector<Part>& parts, float* chunk) {
+  for (const Part& p : parts)
+    for (size_t e = 0; e < p.idx.size(); ++e)
+      chunk[p.idx[e]] -= static_cast<float>(c10::Half(p.vals[e], c10::Half::from_bits()));
+}
+
 // Copies the parts' entries to vals/idx (index order).
 void gather_parts(const std::vector<Part>& parts, uint16_t* vals, int32_t* idx) {
   int64_t off = 0;
@@ -577,7 +594,8 @@ at::Tensor densify_cpu(const at::Tensor& values, const at::Tensor& indices, int6
 std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std::vector<int64_t>& offsets,
                                               const std::vector<int64_t>& numels,
                                               const std::vector<int64_t>& codecs, double ratio, int64_t block_size,
-                                              int64_t sample_size, int64_t seed, int64_t chunk_size) {
+                                              int64_t sample_size, int64_t seed, int64_t chunk_size,
+                                              bool feedback) {
   const char* op = "compress_segments";
   check_cpu_tensor(flat, op, "flat", at::kFloat);
   check_ratio(ratio, sample_size, op);
@@ -612,7 +630,7 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
   at::Tensor scales = at::empty({n_scales}, opts.dtype(at::kFloat));
   at::Tensor bf16 = empty_output(n_bf16, opts.dtype(at::kBFloat16));
   at::Tensor fp32 = empty_output(n_fp32, opts.dtype(at::kFloat));
-  const float* x = flat.data_ptr<float>();
+  float* x = flat.data_ptr<float>();
 
   // Dense codecs: one parallel loop over tasks of ~64K elements (block aligned).
   struct Task {
@@ -650,12 +668,18 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
     const Task& tk = tasks[t];
     if (tk.codec == kPieceInt8) {
       int64_t b = 0;
-      for (int64_t a = 0; a < tk.len; a += block_size, ++b)
-        quant_block(x + tk.src + a, std::min(block_size, tk.len - a), cp + tk.dst + a, sp + tk.sdst + b);
+      for (int64_t a = 0; a < tk.len; a += block_size, ++b) {
+        const int64_t len = std::min(block_size, tk.len - a);
+        quant_block(x + tk.src + a, len, cp + tk.dst + a, sp + tk.sdst + b);
+        if (feedback) subtract_dequant(cp + tk.dst + a, len, sp[tk.sdst + b], x + tk.src + a);
+      }
     } else if (tk.codec == kPieceBf16) {
       bf16_range(x + tk.src, tk.len, bp + tk.dst);
+      if (feedback) subtract_bf16(bp + tk.dst, tk.len, x + tk.src);
     } else {
       std::memcpy(fp + tk.dst, x + tk.src, (size_t)tk.len * sizeof(float));
+      if (feedback)
+        for (int64_t i = 0; i < tk.len; ++i) x[tk.src + i] -= fp[tk.dst + i];
     }
   }
 
@@ -672,6 +696,7 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
       topk_chunk(x + offsets[s] + a, std::min(chunk_size, len - a), ratio, sample_size,
                  chunk_seed(seed, (int64_t)s, c), chunk_parts.back());
       chunk_counts.push_back(parts_count(chunk_parts.back()));
+      if (feedback) subtract_kept(chunk_parts.back(), x + offsets[s] + a);
     }
   }
   const int64_t n_topk = std::accumulate(chunk_counts.begin(), chunk_counts.end(), (int64_t)0);

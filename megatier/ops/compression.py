@@ -73,6 +73,7 @@ def compress_segments(
     sample_size: int = DEFAULT_SAMPLE_SIZE,
     seed: int = 0,
     chunk_size: int = TOPK_CHUNK_ELEMS,
+    feedback: bool = False,
 ) -> CompressedRecord:
     """Compress a flat fp32 gradient shard per parameter segment into one :class:`CompressedRecord`.
 
@@ -80,6 +81,10 @@ def compress_segments(
     tiling ``flat`` in order; ``None`` means one segment. ``mode``: ``"adaptive"`` (INT8 for
     segments below ``small_threshold`` elements, top-k at ``ratio`` from it up), ``"int8"``,
     ``"topk"``, or lossless ``"bf16"`` / ``"fp32"``.
+
+    ``feedback``: also leave ``flat - decompress_segments(record)`` in ``flat`` (error feedback: what the
+    record left out), bitwise that expression; on CPU computed inside the compression pass, touching only
+    the kept entries of top-k segments, instead of two more passes over the shard.
     """
     op = "compress_segments"
     check_flat(flat, op, "flat")
@@ -91,12 +96,16 @@ def compress_segments(
         h = header
         codes, scales, tv, ti, tc, bf, fp = _native.lib().compress_segments(
             flat, offsets, numels, [CODEC_KIND[c] for c in codecs], h["ratio"], h["block_size"], h["sample_size"],
-            _signed64(h["seed"]), h["chunk_size"])
+            _signed64(h["seed"]), h["chunk_size"], feedback)
         pools, chunk_counts = dict(zip(POOLS, (codes, scales, tv, ti, bf, fp))), tc.tolist()
+        feedback = False  # applied by the native pass
     else:
         pools, chunk_counts = _compress_reference(flat, offsets, numels, codecs, header)
     header["segments"] = _segment_table(offsets, numels, codecs, chunk_counts, header)
-    return CompressedRecord(header, {name: t for name, t in pools.items() if t.numel()})
+    record = CompressedRecord(header, {name: t for name, t in pools.items() if t.numel()})
+    if feedback:
+        flat.sub_(decompress_segments(record))
+    return record
 
 
 def _record_header(op: str, n: int, mode: str, ratio: float, small_threshold: int, block_size: int,

@@ -295,6 +295,30 @@ def test_compress_native_matches_reference_backend(mode, monkeypatch):
     assert torch.equal(ops.decompress_segments(rec), dense_ref)
 
 
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("mode", ops.MODES)
+def test_compress_feedback_leaves_the_residual(mode, backend, monkeypatch):
+    # feedback=True: the same record, and flat - decompress(record) left in flat, bit for bit (NaN, inf, zero and
+    # denormal blocks included)
+    if backend == "native" and not ops.native_available():
+        pytest.skip("megatier._C not built")
+    if backend == "reference":
+        monkeypatch.setattr(_native, "_C", None)
+        monkeypatch.setattr(_native, "_warned", True)
+    segs, n = _segments()
+    x = _special_values(n)
+    x[2000] = float("nan")
+    x[3000] = float("inf")
+    rec = ops.compress_segments(x, segs, mode, 0.01, 100_000, seed=4)
+    residual = x.clone()
+    fed = ops.compress_segments(residual, segs, mode, 0.01, 100_000, seed=4, feedback=True)
+    assert fed.header == rec.header
+    for k in rec.tensors:
+        assert torch.equal(fed.tensors[k].view(torch.uint8), rec.tensors[k].view(torch.uint8)), k
+    dense = ops.decompress_segments(rec)
+    assert torch.equal(residual.view(torch.int32), (x - dense).view(torch.int32))
+
+
 @native_only
 def test_compress_segments_uses_per_segment_kernels():
     # the fused C++ compressor == the per-op kernels applied segment by segment
