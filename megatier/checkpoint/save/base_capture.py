@@ -4,12 +4,15 @@
 * ``spread``: copied in ``capture_steps`` parts over the steps ending at the
   base's version, reconciled by replay on the save thread (:mod:`.capture`);
 * ``spread`` with ``capture_schedule=checkflow``: one step (the second after
-  the anchor) is profiled into operations (:mod:`.step_ops`), the copy
-  bandwidth measured, and a schedule solved once (:mod:`.schedule`); each
-  part is then copied during the next step's operations, off the training
-  thread, and the base is complete one step after its version. When no
-  schedule exists (before the profile, or the solver found none) parts are
-  copied at the end of their step.
+  the anchor) is profiled into operations (:mod:`.step_ops`), then the copy
+  bandwidth is measured and a schedule solved once (:mod:`.schedule`) on the
+  copier's thread while the loop trains on (10-30 ms of work on a 2-core box
+  that the loop used to wait for); the schedule applies from the first
+  capture after it is ready, which waits for it only if the solve has not
+  finished by then. Each part is then copied during the next step's
+  operations, off the training thread, and the base is complete one step after
+  its version. When no schedule exists (before the profile, or the solver
+  found none) parts are copied at the end of their step.
 
 Bases are at the anchor (a snapshot, taken by the manager) and every
 :attr:`BaseCapturer.interval` steps after it (``base_interval``, or the one
@@ -19,13 +22,14 @@ at most the interval).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import Optional, Union
 
 from torch import nn
 
 from megatier.checkpoint.format.payload import BaseState
 from megatier.checkpoint.save.capture import STATE, Reconcile, SpreadCapture, part_bounds
-from megatier.checkpoint.save.schedule import CaptureSchedule, plan
+from megatier.checkpoint.save.schedule import CaptureSchedule, OpProfile, plan
 from megatier.checkpoint.save.step_ops import Copier, Profiler, ScheduledCopy, StepOps, copy_bandwidth
 from megatier.checkpoint.shard import ShardAccess
 from megatier.config import CheckpointConfig
@@ -52,6 +56,7 @@ class BaseCapturer:
         self._ops = StepOps(model, shard.optimizer) if scheduled else None
         self._copier = Copier(self._device) if scheduled else None
         self._profiler: Optional[Profiler] = None
+        self._planning: Optional[Future] = None  # the copier's solve: (schedule or None, the line to report)
         self._planned = not scheduled
 
     @property
@@ -64,9 +69,11 @@ class BaseCapturer:
         self._report = {}
         if self._ops is not None:
             self._ops.listener = None
-        self._plan(step)
-        since = step - self.anchor
-        if self.cfg.base_capture != "spread":
+        since, k = step - self.anchor, self.cfg.capture_steps
+        spread = self.cfg.base_capture == "spread"
+        starts = spread and self.interval is not None and (since + k - 1) % self.interval == 0  # a capture's part 0
+        self._plan(step, needed=starts)
+        if not spread:
             due = self.interval is not None and since % self.interval == 0
             return self._handed(self.shard.capture_base(step), "snapshot") if due else None
         base, how = None, "spread"
@@ -75,8 +82,7 @@ class BaseCapturer:
             base = self._capture.after_step(step)
             if base is not None:
                 self._capture = None
-        k = self.cfg.capture_steps
-        if self.interval is not None and (since + k - 1) % self.interval == 0:
+        if starts:
             scheduled = self.schedule is not None
             self._capture = SpreadCapture(self.shard, step + k - 1, k, self._schedule_part if scheduled else None,
                                           self._copier if scheduled else None, self._stage_dir)
@@ -113,8 +119,9 @@ class BaseCapturer:
         self._ops.listener = copy
         return copy
 
-    def _plan(self, step: int) -> None:
-        """Profile the second step after the anchor (the first pays warm-up), then solve the schedule once."""
+    def _plan(self, step: int, needed: bool) -> None:
+        """Profile the second step after the anchor (the first pays warm-up), then have the copier solve the
+        schedule once; take it when it is ready, or wait for it when a capture starts now (``needed``)."""
         if self._planned:
             return
         if self._profiler is None:
@@ -122,19 +129,26 @@ class BaseCapturer:
                 self._profiler = Profiler(self._device)
                 self._ops.listener = self._profiler
             return
-        profile = self._profiler.profile
-        if profile is None:
+        if self._planning is None:
+            profile = self._profiler.profile
+            if profile is None:
+                return
+            self._planning = self._copier.call(lambda: self._solve(profile))
+        if not (needed or self._planning.done()):
             return
         self._planned = True
-        part = max(hi - lo for lo, hi in part_bounds(self.shard.numel, self.cfg.capture_steps))
-        bandwidth = copy_bandwidth(self._device, self._copier)
-        self.schedule = plan(profile, part, BYTES_PER_ELEMENT, bandwidth, held_on_device=self._device.type != "cuda")
-        if self.schedule is None:
-            line = (f"capture schedule: none fits ({len(profile.names)} ops in {profile.step_seconds * 1e3:.1f} ms, "
-                    f"{part * BYTES_PER_ELEMENT / 2**20:.1f} MiB per part at {bandwidth / 2**30:.1f} GiB/s): each "
-                    f"part is copied at the end of its step")
-        else:
-            line = self.schedule.describe(profile, BYTES_PER_ELEMENT)
+        self.schedule, line = self._planning.result()
         self._report["base_capture_schedule"] = line.splitlines()[0]
         if self.rank == 0:
             log.info("%s", line)
+
+    def _solve(self, profile: OpProfile) -> tuple[Optional[CaptureSchedule], str]:
+        """On the copier's thread: the schedule for this profile at the measured bandwidth, and its description."""
+        part = max(hi - lo for lo, hi in part_bounds(self.shard.numel, self.cfg.capture_steps))
+        bandwidth = copy_bandwidth(self._copier)
+        schedule = plan(profile, part, BYTES_PER_ELEMENT, bandwidth, held_on_device=self._device.type != "cuda")
+        if schedule is not None:
+            return schedule, schedule.describe(profile, BYTES_PER_ELEMENT)
+        return None, (f"capture schedule: none fits ({len(profile.names)} ops in {profile.step_seconds * 1e3:.1f} "
+                      f"ms, {part * BYTES_PER_ELEMENT / 2**20:.1f} MiB per part at {bandwidth / 2**30:.1f} GiB/s): "
+                      f"each part is copied at the end of its step")

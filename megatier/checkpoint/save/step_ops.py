@@ -19,7 +19,8 @@ thread (``copy_`` releases the GIL, so it overlaps the operation it was issued
 in), on CUDA a side stream into pinned host memory; host-side work (writing a
 finished part to node memory) goes to the same thread, in order. ``wait``
 returns when everything issued is complete; the update must not start before
-that.
+that. The one-time work of planning (measuring the copy bandwidth, solving the
+schedule) runs on that thread too, while the loop trains.
 """
 from __future__ import annotations
 
@@ -149,9 +150,22 @@ class Copier:
                 dst.copy_(src, non_blocking=True)
         self._inflight.append(pairs)
 
-    def call(self, work: Callable[[], None]) -> None:
+    def call(self, work: Callable[[], object]) -> Future:
         """Run ``work`` on the copier's thread after what was given to it before; :meth:`wait` waits for it too."""
-        self._pending.append(self._pool.submit(work))
+        future = self._pool.submit(work)
+        self._pending.append(future)
+        return future
+
+    def copy_now(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy in the calling thread (on CUDA on the copier's stream, waited for): what :meth:`submit` has the
+        copier do, for timing it from the copier's own thread."""
+        if self._stream is None:
+            _copy_all(pairs)
+            return
+        with torch.cuda.stream(self._stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+        self._stream.synchronize()
 
     def wait(self) -> None:
         """Every copy and call issued so far is complete (the sources may change, the destinations be read)."""
@@ -167,17 +181,17 @@ class Copier:
         self._pool.shutdown(wait=True)
 
 
-def copy_bandwidth(device: torch.device, copier: Copier, *, nbytes: int = 16 << 20, repeats: int = 3) -> float:
-    """Bytes per second the copier moves from ``device`` memory to host memory: the best of ``repeats`` copies of
-    ``nbytes`` (large enough that the hand-off to the copier's thread or stream is a small part of it)."""
+def copy_bandwidth(copier: Copier, *, nbytes: int = 16 << 20, repeats: int = 3) -> float:
+    """Bytes per second the copier moves from its device's memory to host memory: the best of ``repeats`` copies
+    of ``nbytes``. Called on the copier's thread while the loop trains (:meth:`Copier.call`), it measures what
+    a scheduled copy gets: one thread (or the side stream) sharing the machine with the training step."""
     n = nbytes // 4
-    src = torch.zeros(n, dtype=torch.float32, device=device)
+    src = torch.zeros(n, dtype=torch.float32, device=copier.device)
     dst = copier.host_buffer(n)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        copier.submit([(src, dst)])
-        copier.wait()
+        copier.copy_now([(src, dst)])
         best = min(best, time.perf_counter() - start)
     return nbytes / max(best, 1e-9)
 

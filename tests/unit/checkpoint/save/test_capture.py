@@ -117,7 +117,9 @@ def test_the_manager_publishes_spread_bases_bitwise_equal_to_snapshots(scheduled
     else:  # parts copied during steps 8-11 (a part's buffer exists from the step that copies it); 11 publishes
         assert held[6] == 0 and held[7:10] == sorted(held[7:10]) and held[7] > 0 and held[10] == 0
         assert run["metrics"][11]["base_capture"] == "scheduled" and run["metrics"][11]["base_capture_version"] == 10
-        assert "capture schedule: 1 chunks" in run["metrics"][2]["base_capture_schedule"]
+        # profiled at step 2, solved on the copier's thread: reported once, by step 7 (the first capture waits)
+        lines = {s: m["base_capture_schedule"] for s, m in run["metrics"].items() if "base_capture_schedule" in m}
+        assert len(lines) == 1 and 2 <= min(lines) <= 7 and "capture schedule: 1 chunks" in lines[min(lines)]
 
 
 @pytest.mark.parametrize("scheduled", [False, True], ids=["at-step-end", "scheduled"])
