@@ -92,18 +92,18 @@ def compress_segments(
                             chunk_size)
     offsets, numels = _normalize_segments(segments, flat.numel(), op)
     codecs = _codecs(mode, numels, header["small_threshold"])
-    if flat.device.type == "cpu" and _native.use_native(flat):
+    native = flat.device.type == "cpu" and _native.use_native(flat)
+    if native:  # feedback, if asked, is applied inside this pass
         h = header
         codes, scales, tv, ti, tc, bf, fp = _native.lib().compress_segments(
             flat, offsets, numels, [CODEC_KIND[c] for c in codecs], h["ratio"], h["block_size"], h["sample_size"],
             _signed64(h["seed"]), h["chunk_size"], feedback)
         pools, chunk_counts = dict(zip(POOLS, (codes, scales, tv, ti, bf, fp))), tc.tolist()
-        feedback = False  # applied by the native pass
     else:
         pools, chunk_counts = _compress_reference(flat, offsets, numels, codecs, header)
     header["segments"] = _segment_table(offsets, numels, codecs, chunk_counts, header)
     record = CompressedRecord(header, {name: t for name, t in pools.items() if t.numel()})
-    if feedback:
+    if feedback and not native:
         flat.sub_(decompress_segments(record))
     return record
 

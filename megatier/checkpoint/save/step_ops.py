@@ -144,10 +144,7 @@ class Copier:
         if self._stream is None:
             self.call(lambda: _copy_all(pairs))
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the last update has written them
-        with torch.cuda.stream(self._stream):
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
+        self._issue_on_stream(pairs)
         self._inflight.append(pairs)
 
     def call(self, work: Callable[[], object]) -> Future:
@@ -162,10 +159,16 @@ class Copier:
         if self._stream is None:
             _copy_all(pairs)
             return
+        self._issue_on_stream(pairs)
+        self._stream.synchronize()
+
+    def _issue_on_stream(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """CUDA: the copies on the side stream, after what the calling thread's stream has queued (the last
+        update, or whatever wrote the sources)."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
-        self._stream.synchronize()
 
     def wait(self) -> None:
         """Every copy and call issued so far is complete (the sources may change, the destinations be read)."""
