@@ -121,6 +121,6 @@ class FullAfter(FlakyStore):
     def __getattr__(self, name):  # the node-memory store's extra methods (put_pieces, open_mapped, ...)
         return getattr(self.inner, name)
 
-    def put_pieces(self, key, pieces):
+    def put_pieces(self, key, pieces, reuse=None):
         self._maybe_fail(key)
-        self.inner.put_pieces(key, pieces)
+        self.inner.put_pieces(key, pieces, reuse)

@@ -33,23 +33,38 @@ def _fsync_dir(path: str) -> None:
 
 
 class PartialFile:
-    """A temp file next to its final path, written in pieces; never listed, never visible as the key."""
+    """A temp file next to its final path, written in pieces; never listed, never visible as the key.
 
-    def __init__(self, path: str, *, fsync: bool = True):
+    ``reuse``: an existing file nobody reads any more (a spare, :mod:`.spare`) to write over instead of a
+    new one; it is renamed to the temp name first and cut to the written size when sealed.
+    """
+
+    def __init__(self, path: str, *, fsync: bool = True, reuse: Optional[str] = None):
         self.fsync = fsync
         self.size = 0
+        self.reused = False
         directory = os.path.dirname(path)
         for _ in range(3):  # a concurrent delete may prune a parent directory while we create ours
             self.tmp = f"{path}{_TMP}{secrets.token_hex(6)}"
             try:
                 os.makedirs(directory, exist_ok=True)
-                self._file = open(self.tmp, "xb")
+                self._file = self._open_reused(reuse) if reuse is not None else None
+                self._file = self._file or open(self.tmp, "xb")
                 return
             except (FileNotFoundError, FileExistsError):
                 # makedirs raises FileExistsError too when the directory vanishes between its mkdir and
                 # its isdir check: the same race, so the same retry.
                 continue
         raise StoreError(f"cannot create a file in {directory}: the directory keeps disappearing")
+
+    def _open_reused(self, spare: str) -> Optional[BinaryIO]:
+        """``spare`` renamed to the temp name and opened for writing over from its start; None if it is gone."""
+        try:
+            os.rename(spare, self.tmp)
+        except FileNotFoundError:
+            return None
+        self.reused = True
+        return open(self.tmp, "r+b")
 
     def append(self, data: Buffer) -> None:
         self._file.write(data)
@@ -70,6 +85,8 @@ class PartialFile:
         """Flush, fsync and close; returns the temp path, ready to be renamed or linked."""
         if not self._file.closed:
             self._file.flush()
+            if self.reused:  # drop what the old content had beyond this file's end
+                os.ftruncate(self._file.fileno(), self.size)
             if self.fsync:
                 os.fsync(self._file.fileno())
             self._file.close()
@@ -95,6 +112,10 @@ class DirectoryStore(ObjectStore):
     def _path(self, key: str) -> str:
         return os.path.join(self.root, *check_key(key).split("/"))
 
+    def path(self, key: str) -> str:
+        """The file that holds ``key`` (for moving it elsewhere on the same file system)."""
+        return self._path(key)
+
     def _write_temp(self, path: str, data: bytes) -> str:
         """Write ``data`` to a fresh, fsynced temp file next to ``path``; returns the temp path."""
         partial = PartialFile(path, fsync=self.fsync)
@@ -105,10 +126,11 @@ class DirectoryStore(ObjectStore):
             partial.discard()
             raise
 
-    def begin(self, key: str) -> PartialFile:
-        """Start writing ``key`` piece by piece; nothing is visible until :meth:`publish`."""
+    def begin(self, key: str, reuse: Optional[str] = None) -> PartialFile:
+        """Start writing ``key`` piece by piece (over the spare file ``reuse`` if given); nothing is visible
+        until :meth:`publish`."""
         try:
-            return PartialFile(self._path(key), fsync=self.fsync)
+            return PartialFile(self._path(key), fsync=self.fsync, reuse=reuse)
         except OSError as e:
             raise self._wrap(e, "writing", key) from e
 
@@ -133,9 +155,10 @@ class DirectoryStore(ObjectStore):
     def put(self, key: str, data: Buffer) -> None:
         self.put_pieces(key, (data,))
 
-    def put_pieces(self, key: str, pieces: Iterable[Buffer]) -> None:
-        """:meth:`put` of the concatenation of ``pieces``, written one after another (no joined copy)."""
-        partial = self.begin(key)
+    def put_pieces(self, key: str, pieces: Iterable[Buffer], reuse: Optional[str] = None) -> None:
+        """:meth:`put` of the concatenation of ``pieces``, written one after another (no joined copy), over the
+        spare file ``reuse`` if given."""
+        partial = self.begin(key, reuse)
         try:
             for piece in pieces:
                 partial.append(piece)
@@ -239,6 +262,10 @@ class DirectoryStore(ObjectStore):
         except OSError as e:
             raise self._wrap(e, "deleting", key) from e
         self._prune(os.path.dirname(path))
+
+    def prune(self, key: str) -> None:
+        """Remove the directories that held ``key``, now moved away, if they are empty."""
+        self._prune(os.path.dirname(self._path(key)))
 
     def _prune(self, directory: str) -> None:
         """Remove now-empty parent directories up to the root (rmdir refuses non-empty ones)."""

@@ -178,7 +178,9 @@ class LocalTier(Tier):
         held = [e.pid for e in self.memory.entries(replica=False, owner_rank=self.rank)]
         keep = self.keep_bases
         if self.budget_bytes and self.memory.bytes_held() > self.budget_bytes:
-            keep = 1  # over budget: only the newest base and its chain
+            self.memory.release_spares()
+            if self.memory.bytes_held() > self.budget_bytes:
+                keep = 1  # over budget: only the newest base and its chain
         below = node_memory_floor(watermark, retention_floor(held, keep))
         delete_units(local_reclaim_set(held, below), lambda pid: self.delete(pid, self.rank), fault=self.fault)
         if self.world_size is not None:
@@ -188,6 +190,9 @@ class LocalTier(Tier):
 
     def metrics(self) -> dict:
         return {"tier1_bytes": self.memory.bytes_held()}
+
+    def close(self, timeout: float) -> None:
+        self.memory.release_spares(for_good=True)
 
     # ---- recovery ----------------------------------------------------------------------------
 

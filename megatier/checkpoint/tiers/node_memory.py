@@ -14,6 +14,7 @@ Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
     replica/rank00001/base/v00000050.safetensors        rank 1's replica, held here (Tier-2)
     replica/rank00001/base/v00000050.json
     progress/rank00003                                  the newest step rank 3 reached (steps lost)
+    spare/own/rank00003/<hex>.spare                     a deleted unit's file, to be written over (:mod:`.spare`)
     fingerprints/<id>.json                              a config fingerprint the units' stamps name
 
 Invariants:
@@ -39,6 +40,7 @@ import json
 import logging
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +49,7 @@ import xxhash
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
 from megatier.checkpoint.format.units import DIFF, PayloadId, check_path_component, parse_rank_name, rank_name
 from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
+from megatier.checkpoint.tiers.spare import SPARE_ROOT, SparePool
 from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
@@ -97,6 +100,9 @@ class NodeMemory:
         self.node = node
         self.store = DirectoryStore(os.path.join(root, job_id, node), fsync=False)  # see the module docstring
         self.fault_hook = fault_hook
+        self._spares: dict[str, SparePool] = {}  # area -> its pool, for the areas this process wrote to
+        self._mapped: dict[str, weakref.ref] = {}  # data key -> the map save_draft returned (alive: not a spare)
+        self._keep_spares = True  # False once released for good (closing): deleted files are deleted
 
     @staticmethod
     def nodes(root: str, job_id: str) -> list[str]:
@@ -118,7 +124,8 @@ class NodeMemory:
         stamp = payload.stamp
         data_key, stamp_key = self._keys(stamp.rank, stamp.pid, replica)
         self.store.delete(stamp_key)
-        self.store.put(data_key, payload.data)
+        spare = self._pool(stamp.rank, replica).take(stamp.size)
+        self.store.put_pieces(data_key, (payload.data,), spare)
         self.fault_hook(CrashPoint.T1_MID_WRITE, stamp.pid.version)
         self.store.put(stamp_key, stamp.to_json())
         self._drop_covered_steps(stamp.rank, stamp.pid, replica)
@@ -131,8 +138,11 @@ class NodeMemory:
         """
         data_key, stamp_key = self._keys(draft.layout.rank, draft.pid, False)
         self.store.delete(stamp_key)
-        self.store.put_pieces(data_key, draft.pieces())
+        pieces = draft.pieces()
+        spare = self._pool(draft.layout.rank, False).take(sum(memoryview(p).nbytes for p in pieces))
+        self.store.put_pieces(data_key, pieces, spare)
         source, data = self.store.open_mapped(data_key)
+        self._mapped[data_key] = weakref.ref(data)
         payload = EncodedPayload(data, draft.stamp(data), source)
         self.fault_hook(CrashPoint.T1_MID_WRITE, draft.pid.version)
         self.store.put(stamp_key, payload.stamp.to_json())
@@ -149,7 +159,8 @@ class NodeMemory:
         """Receive the replica that ``stamp`` describes chunk by chunk (Tier-2 paced transfer)."""
         data_key, stamp_key = self._keys(stamp.rank, stamp.pid, True)
         self.store.delete(stamp_key)
-        return ReplicaWriter(self.store, stamp, data_key, stamp_key)
+        spare = self._pool(stamp.rank, True).take(stamp.size)
+        return ReplicaWriter(self.store, stamp, data_key, stamp_key, spare)
 
     def load(self, owner_rank: int, pid: PayloadId, *, replica: bool = False) -> EncodedPayload:
         """The complete payload, checksum-verified; ObjectNotFound if absent, PayloadError if bad."""
@@ -200,14 +211,42 @@ class NodeMemory:
         return out
 
     def delete(self, owner_rank: int, pid: PayloadId, *, replica: bool = False) -> None:
-        """Remove a unit: stamp first, so it stops being complete before its data goes."""
+        """Remove a unit: stamp first, so it stops being complete before its data goes (into the area's spare
+        pool if this process writes the area and nothing here still maps the file)."""
         data_key, stamp_key = self._keys(owner_rank, pid, replica)
         self.store.delete(stamp_key)
-        self.store.delete(data_key)
+        mapped = self._mapped.pop(data_key, None)
+        pool = self._spares.get(_area(owner_rank, replica))
+        in_use = mapped is not None and mapped() is not None and not mapped().closed
+        if pool is None or in_use or not self._keep_spares:
+            self.store.delete(data_key)
+        elif pool.give(self.store.path(data_key)):
+            self.store.prune(data_key)
+        else:
+            self.store.delete(data_key)
+
+    def _pool(self, owner_rank: int, replica: bool) -> SparePool:
+        """The spare pool of an area this process writes (created at its first write)."""
+        area = _area(owner_rank, replica)
+        pool = self._spares.get(area)
+        if pool is None:
+            pool = self._spares.setdefault(area, SparePool(self.store.root, area))
+        return pool
+
+    def release_spares(self, *, for_good: bool = False) -> int:
+        """Delete every spare file this process keeps (over a budget; ``for_good``: closing, keep none from now
+        on); returns the bytes freed."""
+        if for_good:
+            self._keep_spares = False
+        return sum(pool.release() for pool in list(self._spares.values()))
 
     def sweep_incomplete(self, owner_rank: int, *, replica: bool = False) -> list[PayloadId]:
         """Remove crashed writers' leftovers in one area (only its single writer may call this)."""
         self.store.sweep_temp(_area(owner_rank, replica))
+        pool = self._spares.pop(_area(owner_rank, replica), None)
+        if pool is not None:
+            pool.release()
+        shutil.rmtree(os.path.join(self.store.root, SPARE_ROOT, _area(owner_rank, replica)), ignore_errors=True)
         removed = [e.pid for e in self.entries(replica=replica, owner_rank=owner_rank) if not e.complete]
         for pid in removed:
             self.delete(owner_rank, pid, replica=replica)
@@ -259,18 +298,19 @@ class NodeMemory:
         return read_fingerprints(self.store, _FINGERPRINTS)
 
     def bytes_held(self) -> int:
-        """Bytes of every file in this node's area (own and replicas, complete or not)."""
+        """Bytes of every file in this node's area (own and replicas, complete or not, and spare files)."""
         return sum(self.store.list("").values())
 
 
 class ReplicaWriter:
     """A replica arriving in order, chunk by chunk; complete only after :meth:`finish` verifies it."""
 
-    def __init__(self, store: DirectoryStore, stamp: Stamp, data_key: str, stamp_key: str):
+    def __init__(self, store: DirectoryStore, stamp: Stamp, data_key: str, stamp_key: str,
+                 spare: Optional[str] = None):
         self.stamp = stamp
         self._store = store
         self._keys = (data_key, stamp_key)
-        self._partial: PartialFile = store.begin(data_key)
+        self._partial: PartialFile = store.begin(data_key, spare)
         self._hash = xxhash.xxh64()
 
     @property

@@ -177,3 +177,84 @@ def test_save_draft_crash_before_stamp_leaves_nothing_visible(tmp_path):
     assert tier.list() == []
     assert tier.sweep_incomplete(0) == [PayloadId.diff(1, 5)]
 
+
+
+def _inode(tmp_path, rank: int, pid: PayloadId) -> int:
+    return os.stat(tmp_path / JOB / "node0" / "own" / f"rank{rank:05d}" / f"{pid.dirname}.safetensors").st_ino
+
+
+def _spares(tmp_path) -> list:
+    return [f for _, _, files in os.walk(tmp_path / JOB / "node0" / "spare") for f in files]
+
+
+def test_a_deleted_unit_file_is_written_over_by_the_next_unit_of_its_size(tmp_path):
+    from megatier.checkpoint.format.payload import draft_base
+
+    tier = NodeMemory(str(tmp_path), JOB, "node0")
+    n = 1000
+    states = [BaseState(v, v, torch.randn(n), torch.randn(n), torch.rand(n), {}, None, {"consumed_samples": v})
+              for v in (50, 100)]
+    first = tier.save_draft(draft_base(states[0], job_id=JOB, layout=layout(0)))
+    inode = _inode(tmp_path, 0, PayloadId.base(50))
+    first.data.close()  # nothing maps it any more: its file may become a spare
+    tier.delete(0, PayloadId.base(50))
+    assert len(_spares(tmp_path)) == 1 and tier.entries() == []
+    assert tier.bytes_held() == first.stamp.size  # a spare counts as memory held
+    second = tier.save_draft(draft_base(states[1], job_id=JOB, layout=layout(0)))
+    assert _inode(tmp_path, 0, PayloadId.base(100)) == inode and _spares(tmp_path) == []
+    assert bytes(second.data) == encode_base(states[1], job_id=JOB, layout=layout(0)).data
+    assert tier.load(0, PayloadId.base(100)).data == bytes(second.data)
+    # A smaller unit written over a larger spare is cut to its own size.
+    second.data.close()
+    tier.delete(0, PayloadId.base(100))
+    small = BaseState(150, 150, torch.randn(600), torch.randn(600), torch.rand(600), {}, None, {})
+    third = tier.save_draft(draft_base(small, job_id=JOB, layout=layout(0)))
+    assert _inode(tmp_path, 0, PayloadId.base(150)) == inode
+    assert tier.load(0, PayloadId.base(150)).data == bytes(third.data) == encode_base(
+        small, job_id=JOB, layout=layout(0)).data
+
+
+def test_a_file_still_mapped_is_never_made_a_spare(tmp_path):
+    from megatier.checkpoint.format.payload import draft_diff_batch
+
+    tier = NodeMemory(str(tmp_path), JOB, "node0")
+    steps = [DiffStep(s, 1e-3, s, False, {"g": torch.full((64,), float(s))}, {}) for s in range(1, 6)]
+    held = tier.save_draft(draft_diff_batch(steps, job_id=JOB, layout=layout(0)))
+    before = bytes(held.data)
+    tier.delete(0, PayloadId.diff(1, 5))  # a Tier-3 upload may still be reading this map
+    assert _spares(tmp_path) == []
+    later = [DiffStep(s, 1e-3, s, False, {"g": torch.full((64,), -1.0)}, {}) for s in range(6, 11)]
+    tier.save_draft(draft_diff_batch(later, job_id=JOB, layout=layout(0)))
+    assert bytes(held.data) == before  # what the holder reads did not change
+
+
+def test_spares_are_bounded_swept_with_their_area_and_released(tmp_path):
+    from megatier.checkpoint.tiers.spare import SparePool
+
+    tier = NodeMemory(str(tmp_path), JOB, "node0")
+    for v in range(1, 4):
+        tier.save(base_payload(v))
+        tier.delete(0, PayloadId.base(v))
+    assert len(_spares(tmp_path)) == 1  # each save took the spare the delete before it left
+    tier.save(base_payload(9))
+    tier.delete(0, PayloadId.base(9))
+    assert tier.release_spares() > 0 and _spares(tmp_path) == [] and tier.bytes_held() == 0
+    # A crashed launch's spares go with its area's sweep.
+    tier.save(base_payload(10))
+    tier.delete(0, PayloadId.base(10))
+    assert tier.sweep_incomplete(0) == [] and _spares(tmp_path) == []
+    # Closing keeps none from then on; a foreign area (an orphan's) never gets a pool.
+    tier.save(base_payload(11), replica=False)
+    tier.release_spares(for_good=True)
+    tier.delete(0, PayloadId.base(11))
+    tier.delete(3, PayloadId.base(1))
+    assert _spares(tmp_path) == []
+    pool = SparePool(str(tmp_path), "own/rank00007", max_files=2)
+    files = []
+    for i in range(3):
+        path = tmp_path / f"f{i}"
+        path.write_bytes(b"x" * (100 + i))
+        files.append(pool.give(str(path)))
+    assert files == [True, True, False] and len(pool) == 2 and pool.nbytes == 201
+    assert pool.take(1000) is None and pool.take(20) is None  # only within a factor two of the size
+    assert os.path.getsize(pool.take(101)) == 101 and os.path.getsize(pool.take(150)) == 100
