@@ -46,6 +46,7 @@ class ShardAccess:
     # Error feedback of a lossy diff stream: what the records since the last base left out of the gradients
     # (shape of the shard, fp32, on the gradient's device; None until the first lossy record).
     residual: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
+    _residual_zero: bool = field(default=False, init=False, repr=False)  # a base since the last add: it is zero
     # The step since which the state is not exact: a last-resort recovery (CheckFree) rebuilt a pipeline stage
     # there. Kept in every base, so a later restore still knows.
     inexact_since: Optional[int] = field(default=None, init=False)
@@ -86,8 +87,7 @@ class ShardAccess:
 
         A replay starts from a base, so the error feedback starts afresh at each one (see :meth:`compress`).
         """
-        if self.residual is not None:
-            self.residual.zero_()
+        self._residual_zero = True
         o = self.optimizer
         scaler = o.scaler.state_dict() if o.scaler is not None else None
         return BaseState(
@@ -125,14 +125,26 @@ class ShardAccess:
             # Nothing was applied (fp16 overflow); the flag alone replays it, including the scaler update.
             return DiffStep(step, lr, adam_step, True, {}, {}), 0
         lossy = cfg.compression != "fp32"
-        if lossy:
-            if self.residual is None:
-                self.residual = torch.zeros_like(grad)
-            grad = self.residual.add_(grad)
-        record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio, cfg.small_threshold,
-                                       seed=step, feedback=lossy)  # the residual keeps what the record left out
+        with ops.thread_parallelism(cfg.threads if grad.device.type == "cpu" else 0):
+            if lossy:
+                grad = self._add_residual(grad)
+            record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio,
+                                           cfg.small_threshold, seed=step, feedback=lossy)  # residual: what it left out
         tensors = {k: v.contiguous() for k, v in record.tensors.items()}
         return DiffStep(step, lr, adam_step, False, tensors, record.header, self.grad_sumsq), record.nbytes
+
+    def _add_residual(self, grad: torch.Tensor) -> torch.Tensor:
+        """The residual plus ``grad``, kept as the new residual. After a base the residual is zero, and rather
+        than clearing it in the base's step the next add writes ``grad + 0.0`` over it: bitwise ``0.0 + grad``
+        (IEEE addition commutes, signed zeros and NaNs included) in one pass instead of two."""
+        if self.residual is None:
+            self.residual = torch.add(grad, 0.0)
+        elif self._residual_zero:
+            torch.add(grad, 0.0, out=self.residual)
+        else:
+            self.residual.add_(grad)
+        self._residual_zero = False
+        return self.residual
 
     # ---- recovery side --------------------------------------------------------------------
 

@@ -108,6 +108,7 @@ def _check_streams(cfg: CheckpointConfig) -> None:
              f"checkpoint.diff.compression={d.compression!r} must be one of {', '.join(COMPRESSIONS)}")
     _require(0.0 < d.topk_ratio <= 1.0, f"checkpoint.diff.topk_ratio={d.topk_ratio} must be in (0, 1]")
     _require(d.small_threshold >= 0, f"checkpoint.diff.small_threshold={d.small_threshold} must be >= 0")
+    _require(d.threads >= 0, f"checkpoint.diff.threads={d.threads} must be >= 0 (0: the loop's whole thread team)")
     _require(cfg.peer.max_chunk_mib > 0, f"checkpoint.peer.max_chunk_mib={cfg.peer.max_chunk_mib} must be positive")
     _require(cfg.memory_budget_gib > 0, f"checkpoint.memory_budget_gib={cfg.memory_budget_gib} must be positive")
     _require(cfg.base_capture in BASE_CAPTURES,

@@ -136,6 +136,11 @@ class DiffStreamConfig:
     topk_ratio: float = 0.01
     # adaptive: segments with fewer elements than this use blockwise INT8, larger ones top-k.
     small_threshold: int = 100_000
+    # CPU threads of the loop's per-step compression (and its error-feedback add); 0: the loop's whole OpenMP
+    # team. One by default: a parallel pass waits at its barrier for any team member that a helper thread or
+    # another process preempted (the demo's compress spikes), and one thread does this pass in about the time
+    # the team does on a shared 2-core box. GPU compression runs as kernels and ignores it.
+    threads: int = 1
 
 
 @dataclass

@@ -8,11 +8,12 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -68,6 +69,21 @@ def limit_thread_parallelism(n: int = 1) -> bool:
     # overwrite ours afterwards.
     torch.get_num_threads()
     return bool(_C.set_thread_num_threads(int(n)))
+
+
+@contextlib.contextmanager
+def thread_parallelism(n: int) -> Iterator[None]:
+    """Inside, parallel regions the calling thread starts (native and ATen ops) use at most ``n`` threads; the
+    thread's setting is restored on leaving. ``n`` <= 0 leaves it as it is."""
+    if n <= 0 or _C is None:
+        yield
+        return
+    before = torch.get_num_threads()  # also sizes ATen's setting first (see limit_thread_parallelism)
+    _C.set_thread_num_threads(int(n))
+    try:
+        yield
+    finally:
+        _C.set_thread_num_threads(before)
 
 
 def _warn_fallback(reason: str) -> None:

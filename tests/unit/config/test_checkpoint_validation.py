@@ -34,7 +34,7 @@ def test_schema_has_the_documented_keys_and_defaults():
     assert leaf_keys(cfg) == {
         "enabled", "tiers", "base_interval", "mtbf_hours", "node_mtbf_hours", "auto_warmup_steps",
         "auto_max_interval", "diff.batch", "diff.compression", "diff.topk_ratio",
-        "diff.small_threshold", "diff.per_step", "peer.max_chunk_mib", "local.root", "local.keep_bases",
+        "diff.small_threshold", "diff.per_step", "diff.threads", "peer.max_chunk_mib", "local.root", "local.keep_bases",
         "local.budget_gib",
         "remote.url", "remote.endpoint_url",
         "remote.keep_bases", "remote.base_every", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
@@ -93,6 +93,7 @@ def test_s3_url_with_endpoint_is_accepted(tmp_path):
     (["checkpoint.last_resort=pray"], ["checkpoint.last_resort='pray'", "stop, checkfree"]),
     (["checkpoint.checkfree.init=zeros"], ["checkpoint.checkfree.init='zeros'", "weighted, copy, random"]),
     (["checkpoint.checkfree.lr_scale=0"], ["checkpoint.checkfree.lr_scale=0", "positive"]),
+    (["checkpoint.diff.threads=-1"], ["checkpoint.diff.threads=-1", ">= 0"]),
 ])
 def test_invalid_combinations_name_the_field(compose_config, tmp_path, overrides, fields):
     (tmp_path / "a_file").write_text("not a directory")

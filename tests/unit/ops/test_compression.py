@@ -320,6 +320,29 @@ def test_compress_feedback_leaves_the_residual(mode, backend, monkeypatch):
 
 
 @native_only
+@pytest.mark.parametrize("mode", ["adaptive", "int8", "bf16"])
+def test_one_thread_compresses_exactly_as_the_team(mode):
+    # checkpoint.diff.threads: the record and the error feedback do not depend on how many threads made them,
+    # and the calling thread's team size is back to what it was afterwards
+    segs, n = _segments()
+    x = torch.randn(n, generator=_gen(21))
+    team = torch.get_num_threads()
+    with ops.thread_parallelism(1):
+        assert torch.get_num_threads() == 1
+        alone = x.clone()
+        rec1 = ops.compress_segments(alone, segs, mode, 0.01, 100_000, seed=3, feedback=True)
+    assert torch.get_num_threads() == team
+    together = x.clone()
+    rec = ops.compress_segments(together, segs, mode, 0.01, 100_000, seed=3, feedback=True)
+    assert rec1.header == rec.header
+    for k in rec.tensors:
+        assert torch.equal(rec1.tensors[k].view(torch.uint8), rec.tensors[k].view(torch.uint8)), k
+    assert torch.equal(alone.view(torch.int32), together.view(torch.int32))
+    with ops.thread_parallelism(0):  # 0: left as it is
+        assert torch.get_num_threads() == team
+
+
+@native_only
 def test_compress_segments_uses_per_segment_kernels():
     # the fused C++ compressor == the per-op kernels applied segment by segment
     segs, n = _segments()
