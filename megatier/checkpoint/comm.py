@@ -15,8 +15,10 @@ not (a stopped, hung or dead process). The marks are written by a helper
 thread (:class:`_Board`), in order: each is a round trip to the store, and at
 every batch end the loop paid two of them for the watermark sync (up to ~20 ms
 on a loaded box); a mark lands milliseconds later, long before any timeout
-reads the board. A transfer that does not complete names the peer rank and
-the timeout.
+reads the board. The watermark sync's all-gather itself runs on another helper
+thread (:meth:`GroupComm.gather_ints_async`): starting even gloo's
+asynchronous all-gather held the loop 1-6 ms. A transfer that does not
+complete names the peer rank and the timeout.
 """
 from __future__ import annotations
 
@@ -46,33 +48,6 @@ def _default_store() -> Optional[dist.Store]:
         return None
 
 
-class _Board:
-    """Arrival marks on the job's store, written in order by a helper thread (``set`` and ``delete`` return at
-    once); reads (``check``) go to the store directly."""
-
-    def __init__(self, store: dist.Store):
-        self.store = store
-        self._ops: queue.SimpleQueue = queue.SimpleQueue()
-        helper_thread(self._run, "megatier-board").start()
-
-    def set(self, key: str) -> None:
-        self._ops.put((True, key))
-
-    def delete(self, key: str) -> None:
-        self._ops.put((False, key))
-
-    def check(self, keys: list[str]) -> bool:
-        return self.store.check(keys)
-
-    def _run(self) -> None:
-        while True:
-            put, key = self._ops.get()
-            try:
-                self.store.set(key, b"1") if put else self.store.delete_key(key)
-            except Exception as e:  # a store that went away: only the timeout diagnosis loses this mark
-                log.debug("arrival mark %s on the store failed: %s", key, e)
-
-
 class _InOrder:
     """Runs the callables handed to it one at a time, in the order given, on a helper thread (started at the
     first); each one's outcome comes back through its Future."""
@@ -97,6 +72,30 @@ class _InOrder:
                 future.set_result(fn())
             except BaseException as e:  # handed to whoever waits for it
                 future.set_exception(e)
+
+
+class _Board:
+    """Arrival marks on the job's store, written in order on a helper thread (``set`` and ``delete`` return at
+    once); reads (``check``) go to the store directly."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+        self._writes = _InOrder("megatier-board")
+
+    def set(self, key: str) -> None:
+        self._writes.submit(lambda: self._write(key, True))
+
+    def delete(self, key: str) -> None:
+        self._writes.submit(lambda: self._write(key, False))
+
+    def check(self, keys: list[str]) -> bool:
+        return self.store.check(keys)
+
+    def _write(self, key: str, put: bool) -> None:
+        try:
+            self.store.set(key, b"1") if put else self.store.delete_key(key)
+        except Exception as e:  # a store that went away: only the timeout diagnosis loses this mark
+            log.debug("arrival mark %s on the store failed: %s", key, e)
 
 
 class CheckpointTimeout(RuntimeError):
