@@ -116,8 +116,8 @@ class CheckpointManager:
         self.watermark: Optional[int] = None
         self._syncs: list = []  # started watermark syncs not yet applied: (step, tiers, PendingInts)
         memory = next((getattr(t, "memory", None) for t in ctx.tiers if t.label == TIER1 and t.saves), None)
-        stage = memory.capture_dir(ctx.rank) if memory is not None and model is not None else None
-        self.capture = BaseCapturer(self.cfg, shard, model, rank=ctx.rank, stage_dir=stage)  # model: the schedule
+        stage = memory.capture_area(ctx.rank) if memory is not None and model is not None else None
+        self.capture = BaseCapturer(self.cfg, shard, model, rank=ctx.rank, stage=stage)  # model: the schedule
         self._auto: Optional[CostMeter] = None  # base_interval=auto until its decision
         self._once: dict = {}  # figures for the next step's record only
         self._last: dict = {}

@@ -32,6 +32,7 @@ from megatier.checkpoint.save.capture import STATE, Reconcile, SpreadCapture, pa
 from megatier.checkpoint.save.schedule import CaptureSchedule, OpProfile, plan
 from megatier.checkpoint.save.step_ops import Copier, Profiler, ScheduledCopy, StepOps, copy_bandwidth
 from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.tiers.node_memory import CaptureArea
 from megatier.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,9 @@ class BaseCapturer:
     """The base capture of one rank; the manager calls :meth:`after_step` once per step."""
 
     def __init__(self, cfg: CheckpointConfig, shard: ShardAccess, model: Optional[nn.Module], *, rank: int,
-                 stage_dir: Optional[str] = None):
+                 stage: Optional[CaptureArea] = None):
         self.cfg, self.shard, self.rank = cfg, shard, rank
-        self._stage_dir = stage_dir  # node memory for finished parts of a scheduled capture (None: keep them)
+        self._stage = stage  # node memory for finished parts of a scheduled capture (None: keep them)
         self.anchor = 0
         # Steps between bases; None (base_interval=auto, before its decision): no base after the anchor yet.
         self.interval: Optional[int] = cfg.base_interval if cfg.base_interval != "auto" else None
@@ -85,7 +86,7 @@ class BaseCapturer:
         if starts:
             scheduled = self.schedule is not None
             self._capture = SpreadCapture(self.shard, step + k - 1, k, self._schedule_part if scheduled else None,
-                                          self._copier if scheduled else None, self._stage_dir)
+                                          self._copier if scheduled else None, self._stage)
             first = self._capture.after_step(step)  # part 0; a base already when k = 1 and it is copied now
             if first is not None:
                 base, how, self._capture = first, "spread", None

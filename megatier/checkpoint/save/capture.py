@@ -20,7 +20,7 @@ those of version B, taken with the last part. The base exists only once the
 last part is in: a failure inside the window leaves the previous base the
 newest one. Bytes held meanwhile: the parts copied so far plus the kept
 gradient slices (at most about 1.5 shards' worth of fp32 for any k); with a
-schedule and node memory (``stage_dir``), each finished part but the last is
+schedule and node memory (``stage``), each finished part but the last is
 written there by the copier thread and dropped from the process, which then
 holds the part being copied and the gradient slices only, and the save thread
 reads the parts back into the base's own tensors as it reconciles them.
@@ -37,6 +37,9 @@ from megatier import ops
 from megatier.checkpoint.format.payload import BaseState
 from megatier.checkpoint.save.step_ops import Copier, ScheduledCopy
 from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.tiers.directory import PartialFile
+from megatier.checkpoint.tiers.node_memory import CaptureArea
+from megatier.checkpoint.tiers.spare import SparePool
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
 
@@ -62,6 +65,7 @@ class _Part:
     lrs: list[float] = field(default_factory=list)
     skipped: list[bool] = field(default_factory=list)
     staged: Optional[str] = None  # the file holding ``state`` (master, exp_avg, exp_avg_sq in order) once written
+    _spares: Optional[SparePool] = None  # where its file goes once read back
 
     @property
     def state_bytes(self) -> int:
@@ -69,14 +73,19 @@ class _Part:
         state = self.state
         return sum(t.numel() * 4 for t in state.values()) if state is not None else 0
 
-    def stage(self, path: str) -> None:
-        """Write the state to ``path`` and let it go (on the copier thread, after the part's copy)."""
+    def stage(self, path: str, spares: SparePool) -> None:
+        """Write the state to ``path`` (over a spare file of an earlier part if there is one) and let it go (on
+        the copier thread, after the part's copy)."""
         state = self.state
-        with open(path + ".tmp", "wb", buffering=0) as f:  # unbuffered: each write releases the GIL, no copy
-            for kind in STATE:
-                f.write(memoryview(state[kind].numpy()).cast("B"))
-        os.replace(path + ".tmp", path)
-        self.staged = path
+        partial = PartialFile(path, fsync=False, reuse=spares.take(self.state_bytes))
+        try:
+            for kind in STATE:  # each large write goes to the file directly, with the GIL released
+                partial.append(memoryview(state[kind].numpy()).cast("B"))
+            os.replace(partial.seal(), path)
+        except BaseException:
+            partial.discard()
+            raise
+        self.staged, self._spares = path, spares
         self.state = None
 
     def load_into(self, out: dict[str, torch.Tensor]) -> None:
@@ -91,7 +100,8 @@ class _Part:
                 view = out[kind][self.lo:self.hi].numpy()
                 if f.readinto(memoryview(view).cast("B")) != n * 4:
                     raise OSError(f"staged capture part {self.staged} is short")
-        os.remove(self.staged)
+        if not self._spares.give(self.staged):  # read: its pages can take the next capture's part
+            os.remove(self.staged)
 
 
 class SpreadCapture:
@@ -105,7 +115,7 @@ class SpreadCapture:
 
     def __init__(self, shard: ShardAccess, version: int, parts: int,
                  schedule_part: Optional[Callable[[int, int], ScheduledCopy]] = None, copier: Optional[Copier] = None,
-                 stage_dir: Optional[str] = None):
+                 stage: Optional[CaptureArea] = None):
         if parts < 1:
             raise ValueError(f"a spread capture needs at least one part, got {parts}")
         self.shard, self.version, self.k = shard, version, parts
@@ -114,7 +124,7 @@ class SpreadCapture:
         self.parts: list[_Part] = []
         self._schedule_part = schedule_part
         self._copier = copier  # with a schedule: keeps the gradient slices off the loop too (done by the next update)
-        self._stage_dir = stage_dir if copier is not None else None  # where finished parts wait (node memory)
+        self._stage = stage if copier is not None else None  # where finished parts wait (node memory)
         self._pending: Optional[tuple[int, int, ScheduledCopy]] = None  # (lo, hi, its copy) during this step
         self._scalars: Optional[BaseState] = None
 
@@ -187,9 +197,9 @@ class SpreadCapture:
         part = _Part(lo, hi, copy.destination)
         self.parts.append(part)
         self._pending = None
-        if self._stage_dir is not None and len(self.parts) < self.k:  # the last part is reconciled at once
-            path = os.path.join(self._stage_dir, f"v{self.version:08d}-part{len(self.parts) - 1}")
-            self._copier.call(lambda: part.stage(path))
+        if self._stage is not None and len(self.parts) < self.k:  # the last part is reconciled at once
+            path = os.path.join(self._stage.directory, f"v{self.version:08d}-part{len(self.parts) - 1}")
+            self._copier.call(lambda: part.stage(path, self._stage.spares))
 
     def _result(self) -> Optional["Reconcile"]:
         if len(self.parts) < self.k or self._scalars is None:

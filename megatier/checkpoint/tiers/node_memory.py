@@ -91,6 +91,15 @@ class LocalEntry:
         return self.data_size is not None and self.has_stamp
 
 
+@dataclass(frozen=True)
+class CaptureArea:
+    """Where a spread base capture's finished parts wait, with the spare files of parts already read back:
+    each capture writes over the pages of the one before."""
+
+    directory: str
+    spares: SparePool
+
+
 class NodeMemory:
     """The checkpoint area of node ``node`` for job ``job_id`` under ``root``."""
 
@@ -218,7 +227,7 @@ class NodeMemory:
         mapped = self._mapped.pop(data_key, None)
         pool = self._spares.get(_area(owner_rank, replica))
         in_use = mapped is not None and mapped() is not None and not mapped().closed
-        if pool is None or in_use or not self._keep_spares:
+        if pool is None or in_use:
             self.store.delete(data_key)
         elif pool.give(self.store.path(data_key)):
             self.store.prune(data_key)
@@ -230,7 +239,12 @@ class NodeMemory:
         area = _area(owner_rank, replica)
         pool = self._spares.get(area)
         if pool is None:
-            pool = self._spares.setdefault(area, SparePool(self.store.root, area))
+            pool = self._spares.setdefault(area, self._new_pool(area))
+        return pool
+
+    def _new_pool(self, area: str, max_files: int = 32) -> SparePool:
+        pool = SparePool(self.store.root, area, max_files=max_files)
+        pool.closed = not self._keep_spares
         return pool
 
     def release_spares(self, *, for_good: bool = False) -> int:
@@ -238,7 +252,7 @@ class NodeMemory:
         on); returns the bytes freed."""
         if for_good:
             self._keep_spares = False
-        return sum(pool.release() for pool in list(self._spares.values()))
+        return sum(pool.release(close=for_good) for pool in list(self._spares.values()))
 
     def sweep_incomplete(self, owner_rank: int, *, replica: bool = False) -> list[PayloadId]:
         """Remove crashed writers' leftovers in one area (only its single writer may call this)."""
@@ -258,14 +272,21 @@ class NodeMemory:
         names = os.listdir(path) if os.path.isdir(path) else []
         return sorted(r for r in (parse_rank_name(n) for n in names) if r is not None)
 
-    def capture_dir(self, rank: int) -> str:
+    def capture_area(self, rank: int) -> CaptureArea:
         """An empty folder where rank ``rank``'s spread base capture keeps finished parts until the base is whole
-        (:mod:`megatier.checkpoint.save.capture`; not units: listings skip it, ``bytes_held`` counts it). What a
-        crashed launch left there is removed: a capture never outlives its launch."""
-        path = os.path.join(self.store.root, "capture", rank_name(rank))
-        shutil.rmtree(path, ignore_errors=True)
+        (:mod:`megatier.checkpoint.save.capture`; not units: listings skip it, ``bytes_held`` counts it), with
+        a spare pool for the parts' files once read back. What a crashed launch left there is removed: a
+        capture never outlives its launch."""
+        area = f"capture/{rank_name(rank)}"
+        path = os.path.join(self.store.root, *area.split("/"))
+        for leftover in (path, os.path.join(self.store.root, SPARE_ROOT, *area.split("/"))):
+            shutil.rmtree(leftover, ignore_errors=True)
         os.makedirs(path, exist_ok=True)
-        return path
+        old = self._spares.pop(area, None)
+        if old is not None:
+            old.release()
+        pool = self._spares.setdefault(area, self._new_pool(area, max_files=8))
+        return CaptureArea(path, pool)
 
     def write_progress(self, rank: int, step: int) -> None:
         """Record that ``rank`` reached ``step`` (one tiny atomic file, rewritten every step)."""

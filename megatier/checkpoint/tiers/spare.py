@@ -39,6 +39,7 @@ class SparePool:
         self.max_files = max_files
         self._files: dict[str, int] = {}  # path -> size
         self._lock = threading.Lock()
+        self.closed = False  # released for good: keeps nothing from then on
 
     @property
     def nbytes(self) -> int:
@@ -57,7 +58,7 @@ class SparePool:
         except FileNotFoundError:
             return False
         with self._lock:
-            if len(self._files) >= self.max_files or size == 0:
+            if self.closed or len(self._files) >= self.max_files or size == 0:
                 return False
             spare = os.path.join(self.directory, f"{secrets.token_hex(8)}.spare")
             try:
@@ -81,10 +82,11 @@ class SparePool:
             del self._files[path]
             return path
 
-    def release(self) -> int:
-        """Delete every spare; returns the bytes freed."""
+    def release(self, *, close: bool = False) -> int:
+        """Delete every spare (``close``: and keep none from now on); returns the bytes freed."""
         with self._lock:
             files, self._files = self._files, {}
+            self.closed = self.closed or close
         freed = 0
         for path, size in files.items():
             try:

@@ -171,3 +171,34 @@ def test_staged_parts_leave_the_process_and_come_back_bitwise(tmp_path):
         for kind in STATE:
             assert torch.equal(getattr(base, kind), snaps[version][kind]), (version, kind)
     assert os.listdir(folder) == []
+
+
+def test_a_staged_part_is_written_over_the_file_of_a_part_read_back(tmp_path):
+    from megatier.checkpoint.save.capture import _Part
+
+    memory = NodeMemory(str(tmp_path), JOB, "node0")
+    area = memory.capture_area(0)
+
+    def staged(fill: float, n: int, name: str) -> _Part:
+        part = _Part(0, n, {kind: torch.full((n,), fill + i) for i, kind in enumerate(STATE)})
+        part.stage(os.path.join(area.directory, name), area.spares)
+        return part
+
+    def read_back(part: _Part, n: int) -> dict:
+        out = {kind: torch.zeros(n) for kind in STATE}
+        part.load_into(out)
+        return out
+
+    first = staged(1.0, 1000, "v1-part0")
+    inode = os.stat(first.staged).st_ino
+    assert read_back(first, 1000)["exp_avg"].eq(2.0).all() and len(area.spares) == 1
+    second = staged(5.0, 999, "v2-part0")  # the next capture's part: over the first one's pages, cut to size
+    assert os.stat(second.staged).st_ino == inode and os.path.getsize(second.staged) == 999 * 12
+    assert len(area.spares) == 0
+    out = read_back(second, 999)
+    assert all(out[kind].eq(5.0 + i).all() for i, kind in enumerate(STATE))
+    memory.release_spares(for_good=True)  # closing: a part read back afterwards is deleted
+    third = staged(7.0, 1000, "v3-part0")
+    read_back(third, 1000)
+    assert not os.path.exists(third.staged) and len(area.spares) == 0
+    assert memory.capture_area(0).directory == area.directory and os.listdir(area.directory) == []
