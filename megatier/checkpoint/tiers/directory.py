@@ -235,23 +235,30 @@ class DirectoryStore(ObjectStore):
         return os.path.isfile(self._path(key))
 
     def list(self, prefix: str = "") -> dict[str, int]:
-        # Walk only the deepest directory the prefix names, then filter by the full prefix.
+        # Walk only the deepest directory the prefix names, then filter by the full prefix. Sizes come from
+        # the directory entries (a stat relative to the open directory, no path lookup from the root): the
+        # Tier-3 coordinator lists the whole job at every poll.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self._path(base) if base else self.root
         out: dict[str, int] = {}
-        for dirpath, _, files in os.walk(start):
-            rel = os.path.relpath(dirpath, self.root)
-            for name in files:
-                if _TMP in name:
-                    continue
-                key = name if rel == "." else f"{rel.replace(os.sep, '/')}/{name}"
-                if not key.startswith(prefix):
-                    continue
+        self._list_into(self._path(base) if base else self.root, f"{base}/" if base else "", prefix, out)
+        return out
+
+    def _list_into(self, directory: str, rel: str, prefix: str, out: dict[str, int]) -> None:
+        try:
+            entries = os.scandir(directory)
+        except OSError:  # gone (deleted while listing) or not a directory
+            return
+        with entries:
+            for entry in entries:
+                key = rel + entry.name
                 try:
-                    out[key] = os.stat(os.path.join(dirpath, name)).st_size
+                    if entry.is_dir():
+                        if not entry.is_symlink():
+                            self._list_into(entry.path, key + "/", prefix, out)
+                    elif _TMP not in entry.name and key.startswith(prefix):
+                        out[key] = entry.stat().st_size
                 except FileNotFoundError:  # deleted while listing
                     continue
-        return out
 
     def delete(self, key: str) -> None:
         path = self._path(key)
