@@ -44,10 +44,11 @@ class PartialFile:
         self.size = 0
         self.reused = False
         directory = os.path.dirname(path)
-        for _ in range(3):  # a concurrent delete may prune a parent directory while we create ours
+        for attempt in range(4):  # a concurrent delete may prune a parent directory while we create ours
             self.tmp = f"{path}{_TMP}{secrets.token_hex(6)}"
             try:
-                os.makedirs(directory, exist_ok=True)
+                if attempt:  # the directory is missing (the first try assumes it exists: three syscalls less)
+                    os.makedirs(directory, exist_ok=True)
                 self._file = self._open_reused(reuse) if reuse is not None else None
                 self._file = self._file or open(self.tmp, "xb")
                 return
