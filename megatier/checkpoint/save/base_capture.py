@@ -70,6 +70,8 @@ class BaseCapturer:
         self._report = {}
         if self._ops is not None:
             self._ops.listener = None
+        if self._copier is not None:
+            self._copier.hold()  # until the manager's save path is done with the loop: :meth:`release`
         since, k = step - self.anchor, self.cfg.capture_steps
         spread = self.cfg.base_capture == "spread"
         starts = spread and self.interval is not None and (since + k - 1) % self.interval == 0  # a capture's part 0
@@ -91,6 +93,11 @@ class BaseCapturer:
             if first is not None:
                 base, how, self._capture = first, "spread", None
         return self._handed(base, how)
+
+    def release(self) -> None:
+        """Let the copier start what this step gave it (the part to stage, gradient slices, the planning)."""
+        if self._copier is not None:
+            self._copier.release()
 
     def flush(self) -> Optional[Reconcile]:
         """At exit: a capture whose version was reached but whose last part was to be copied by the next step."""
@@ -138,6 +145,7 @@ class BaseCapturer:
         if not (needed or self._planning.done()):
             return
         self._planned = True
+        self._copier.release()  # a capture starts now: the planning given this step must run before it
         self.schedule, line = self._planning.result()
         self._report["base_capture_schedule"] = line.splitlines()[0]
         if self.rank == 0:

@@ -118,6 +118,16 @@ class Profiler:
                                  tuple(self._live))
 
 
+def _run_into(future: Future, work: Callable[[], object]) -> None:
+    """``work``'s result (or exception) into ``future``: a call given while the copier was held."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        future.set_result(work())
+    except BaseException as e:  # the caller sees it from the future, as from a submitted call
+        future.set_exception(e)
+
+
 def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for src, dst in pairs:
         dst.copy_(src)
@@ -133,6 +143,7 @@ class Copier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="megatier-capture", initializer=demote_current_thread)
         self._pending: list[Future] = []
         self._inflight: list = []  # CUDA: the tensors of copies not yet waited for (their memory must not be reused)
+        self._held: Optional[list[tuple[Future, Callable[[], object]]]] = None  # given while held, not yet started
 
     def host_buffer(self, numel: int) -> torch.Tensor:
         """Where a chunk lands: host memory (pinned on CUDA, so the copy is asynchronous)."""
@@ -149,9 +160,25 @@ class Copier:
 
     def call(self, work: Callable[[], object]) -> Future:
         """Run ``work`` on the copier's thread after what was given to it before; :meth:`wait` waits for it too."""
-        future = self._pool.submit(work)
+        if self._held is not None:
+            future: Future = Future()
+            self._held.append((future, work))
+        else:
+            future = self._pool.submit(work)
         self._pending.append(future)
         return future
+
+    def hold(self) -> None:
+        """Start nothing until :meth:`release`: the loop's save path wakes its helper threads last (a woken
+        helper takes the GIL whenever the loop lets go of it, and keeps it for up to the switch interval)."""
+        if self._held is None:
+            self._held = []
+
+    def release(self) -> None:
+        """Start, in order, what was given since :meth:`hold`."""
+        held, self._held = self._held, None
+        for future, work in held or ():
+            self._pool.submit(_run_into, future, work)
 
     def copy_now(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Copy in the calling thread (on CUDA on the copier's stream, waited for): what :meth:`submit` has the
@@ -172,6 +199,7 @@ class Copier:
 
     def wait(self) -> None:
         """Every copy and call issued so far is complete (the sources may change, the destinations be read)."""
+        self.release()
         if self._stream is not None:
             self._stream.synchronize()
             self._inflight = []

@@ -47,6 +47,15 @@ def test_fresh_start_saves_the_streams_and_reclaims_behind_the_watermark():
     assert t1.ticks == list(range(1, 13))
 
 
+def test_the_save_thread_gets_a_step_after_the_tiers_ticks():
+    # The helpers are woken last in after_step: the inline save thread stores the batch closed at step s (and
+    # the base of s) after every tier's tick of s; woken first, it stored them before the tick of s.
+    tiers = _tiers()
+    _train(tiers, 10)
+    t3 = tiers[-1]
+    assert t3.puts == [(None, B(0)), (5, D(1, 5)), (10, D(6, 10)), (10, B(10))]
+
+
 def test_lockstep_tier_gets_each_unit_one_step_after_it_finished_and_the_rest_at_close():
     tiers = _tiers(peer=True)
     manager, *_ = _train(tiers, 11)

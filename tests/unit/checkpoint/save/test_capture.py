@@ -72,13 +72,14 @@ def test_steps_must_come_in_order():
         capture.after_step(5)
 
 
-def _bases(capture: str, crash_at: int = 0, *, scheduled: bool = False) -> tuple[list[MemoryTier], dict]:
-    """Run 20 steps (bases every 10, batches of 5) with ``checkpoint.base_capture`` (k = 4); the tiers and the
+def _bases(capture: str, crash_at: int = 0, *, scheduled: bool = False, interval: int = 10
+           ) -> tuple[list[MemoryTier], dict]:
+    """Run 20 steps (bases every ``interval``, batches of 5) with ``checkpoint.base_capture`` (k = 4); the tiers and the
     snapshots. ``scheduled``: each step runs a small model's forward and backward first, whose operations the
     capture schedule (profiled at step 2) copies the parts during; ``crash_at``: the process dies after that
     step's after_step."""
     tiers = [MemoryTier(TIER1, takes_steps=True), MemoryTier(TIER3, scope=JOB_SCOPE)]
-    ctx = context(tiers, base_interval=10, batch=5)
+    ctx = context(tiers, base_interval=interval, batch=5)
     ctx.cfg.base_capture, ctx.cfg.capture_steps = capture, 4
     opt, shard = tiny_shard()
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)) if scheduled else None
@@ -120,6 +121,17 @@ def test_the_manager_publishes_spread_bases_bitwise_equal_to_snapshots(scheduled
         # profiled at step 2, solved on the copier's thread: reported once, by step 7 (the first capture waits)
         lines = {s: m["base_capture_schedule"] for s, m in run["metrics"].items() if "base_capture_schedule" in m}
         assert len(lines) == 1 and 2 <= min(lines) <= 7 and "capture schedule: 1 chunks" in lines[min(lines)]
+
+
+def test_a_capture_starting_as_the_schedule_is_planned_waits_for_it():
+    # Bases every 5 with k = 4: base 5's first part is due at step 2, the step whose after_step gives the
+    # copier the planning (the copier starts nothing until the save path is done: it must be let go first).
+    spread, run = _bases("spread", scheduled=True, interval=5)
+    whole, _ = _bases("snapshot", interval=5)
+    for version in (5, 10, 15, 20):
+        a, b = _base(spread, version), _base(whole, version)
+        assert all(torch.equal(getattr(a, kind), getattr(b, kind)) for kind in STATE), version
+    assert "base_capture_schedule" in run["metrics"][2]
 
 
 @pytest.mark.parametrize("scheduled", [False, True], ids=["at-step-end", "scheduled"])

@@ -94,3 +94,25 @@ def test_copy_bandwidth_is_measured():
     copier = Copier(torch.device("cpu"))
     assert copier.call(lambda: copy_bandwidth(copier, nbytes=1 << 20)).result() > 1e7  # 10 MB/s: any machine does more
     copier.close()
+
+
+def test_a_held_copier_starts_nothing_until_released():
+    copier, ran = Copier(torch.device("cpu")), []
+    copier.hold()
+    first = copier.call(lambda: ran.append(1) or "first")
+    src, dst = torch.arange(8.0), torch.zeros(8)
+    copier.submit([(src, dst)])
+    failing = copier.call(lambda: 1 / 0)
+    assert not first.done() and ran == [] and not torch.equal(dst, src)
+    copier.release()
+    assert first.result(timeout=10) == "first" and ran == [1]
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=10)
+    with pytest.raises(ZeroDivisionError):  # as from a call given unheld
+        copier.wait()
+    assert torch.equal(dst, src)
+    copier.hold()  # wait() starts what is held before waiting for it
+    late = copier.call(lambda: "late")
+    copier.wait()
+    assert late.result(timeout=0) == "late"
+    copier.close()
