@@ -225,8 +225,9 @@ class NodeMemory:
         data_key, stamp_key = self._keys(owner_rank, pid, replica)
         self.store.delete(stamp_key)
         mapped = self._mapped.pop(data_key, None)
+        holder = mapped() if mapped is not None else None  # once: another thread may drop the last reference
         pool = self._spares.get(_area(owner_rank, replica))
-        in_use = mapped is not None and mapped() is not None and not mapped().closed
+        in_use = holder is not None and not holder.closed
         if pool is None or in_use:
             self.store.delete(data_key)
         elif pool.give(self.store.path(data_key)):
