@@ -125,26 +125,29 @@ class ShardAccess:
             # Nothing was applied (fp16 overflow); the flag alone replays it, including the scaler update.
             return DiffStep(step, lr, adam_step, True, {}, {}), 0
         lossy = cfg.compression != "fp32"
+        addend = None
         with ops.thread_parallelism(cfg.threads if grad.device.type == "cpu" else 0):
             if lossy:
-                grad = self._add_residual(grad)
-            record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio,
-                                           cfg.small_threshold, seed=step, feedback=lossy)  # residual: what it left out
+                grad, addend = self._residual_plus(grad)
+            record = ops.compress_segments(grad, self.segments, cfg.compression, cfg.topk_ratio, cfg.small_threshold,
+                                           seed=step, feedback=lossy, addend=addend)  # residual: what it left out
         tensors = {k: v.contiguous() for k, v in record.tensors.items()}
         return DiffStep(step, lr, adam_step, False, tensors, record.header, self.grad_sumsq), record.nbytes
 
-    def _add_residual(self, grad: torch.Tensor) -> torch.Tensor:
-        """The residual plus ``grad``, kept as the new residual. After a base the residual is zero, and rather
-        than clearing it in the base's step the next add writes ``grad + 0.0`` over it: bitwise ``0.0 + grad``
-        (IEEE addition commutes, signed zeros and NaNs included) in one pass instead of two."""
+    def _residual_plus(self, grad: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The residual and what to add to it before compressing: ``grad``, which the compression folds into its
+        own pass over the residual (one read of it fewer than ``residual.add_(grad)``), leaving the sum as the
+        new residual. After a base the residual is zero, and rather than clearing it in the base's step it is
+        overwritten here with ``grad + 0.0``: bitwise ``0.0 + grad`` (IEEE addition commutes, signed zeros and
+        NaNs included) in one pass instead of two."""
         if self.residual is None:
-            self.residual = torch.add(grad, 0.0)
-        elif self._residual_zero:
+            self.residual, self._residual_zero = torch.add(grad, 0.0), False
+            return self.residual, None
+        if self._residual_zero:
             torch.add(grad, 0.0, out=self.residual)
-        else:
-            self.residual.add_(grad)
-        self._residual_zero = False
-        return self.residual
+            self._residual_zero = False
+            return self.residual, None
+        return self.residual, grad
 
     # ---- recovery side --------------------------------------------------------------------
 

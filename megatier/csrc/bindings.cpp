@@ -129,7 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Compress a flat fp32 shard segment by segment: [int8 codes, int8 scales, topk values, topk indices, "
         "topk chunk counts, bf16 values, fp32 values]",
         "flat"_a, "offsets"_a, "numels"_a, "codecs"_a, "ratio"_a, "block_size"_a, "sample_size"_a, "seed"_a,
-        "chunk_size"_a, "feedback"_a = false, nogil);
+        "chunk_size"_a, "feedback"_a = false, "addend"_a = py::none(), nogil);
   m.def("decompress_into", &decompress_into, "Decode a piece list into a dense fp32 tensor", "out"_a, "pieces"_a,
         nogil);
   m.def("adamw_step", &adamw_step, "One in-place AdamW step over a flat fp32 shard", "param"_a, "exp_avg"_a,

@@ -228,6 +228,12 @@ inline uint32_t ge_mask32(const float* x, uint32_t t) {
 #endif
 }
 
+// x[i] += add[i] for i < len: the addend folded into a pass that reads x anyway (the same IEEE additions as
+// torch's x.add_(add)).
+inline void add_range(float* __restrict x, const float* __restrict add, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) x[i] += add[i];
+}
+
 // Runs fn(part, p) on every part in parallel, each part's entries cleared first.
 template <typename Fn>
 void refill_parts(std::vector<Part>& parts, Fn fn) {
@@ -241,9 +247,11 @@ void refill_parts(std::vector<Part>& parts, Fn fn) {
 }
 
 // One compacting pass with threshold key t: keeps every element with key >= t.
-// Stores at most `cap` entries per part; a part that passes `cap` stops early
-// (the total is then out of bounds anyway).
-void compact_ge(const float* x, std::vector<Part>& parts, uint32_t t, int64_t cap, double frac) {
+// Stores at most `cap` entries per part; a part that passes `cap` stops
+// compacting early (the total is then out of bounds anyway). With `add`, each
+// block first becomes x + add (stored in x, the whole part even past an early
+// stop), so x holds the sum when the pass returns.
+void compact_ge(float* x, const float* add, std::vector<Part>& parts, uint32_t t, int64_t cap, double frac) {
   refill_parts(parts, [&](Part& part, int64_t) {
     const int64_t len = part.hi - part.lo;
     const int64_t reserve = std::min<int64_t>(cap, (int64_t)(1.25 * frac * (double)len)) + 64;
@@ -254,15 +262,18 @@ void compact_ge(const float* x, std::vector<Part>& parts, uint32_t t, int64_t ca
     const int64_t hi = part.hi;
     bool over = false;
     for (; i + 32 <= hi; i += 32) {
+      if (add) add_range(x + i, add + i, 32);
       const uint32_t mk = ge_mask32(x + i, t);
       if (mk) {
         keep_mask(part, c, x, i, mk);
         if ((int64_t)c > cap) {
           over = true;
+          i += 32;
           break;
         }
       }
     }
+    if (add && i < hi) add_range(x + i, add + i, hi - i);  // the tail, or the rest after an early stop
     if (!over && i < hi) {  // tail (< 32 elements)
       uint32_t mk = 0;
       for (int64_t j = 0; j < hi - i; ++j) mk |= (uint32_t)(mag_key(x[i + j]) >= t) << j;
@@ -358,32 +369,42 @@ uint32_t kth_largest(const std::vector<uint32_t>& keys, int64_t k) {
   return sub[(size_t)r];
 }
 
-uint32_t sampled_threshold(const float* x, int64_t n, double ratio, int64_t sample_size, int64_t seed) {
+// The threshold key from a sample of x (of x + add, with `add`; nothing is written).
+uint32_t sampled_threshold(const float* x, const float* add, int64_t n, double ratio, int64_t sample_size,
+                           int64_t seed) {
   const std::vector<int64_t> starts = sample_run_starts(n, sample_size, seed);
   std::vector<uint32_t> keys;
   keys.reserve(starts.size() * kSampleRun);
   constexpr size_t kAhead = 8;  // the runs are ascending: prefetch a few ahead
   for (size_t r = 0; r < starts.size(); ++r) {
-    if (r + kAhead < starts.size()) __builtin_prefetch(x + starts[r + kAhead]);
+    if (r + kAhead < starts.size()) {
+      __builtin_prefetch(x + starts[r + kAhead]);
+      if (add) __builtin_prefetch(add + starts[r + kAhead]);
+    }
     const int64_t end = std::min(n, starts[r] + kSampleRun);
-    for (int64_t i = starts[r]; i < end; ++i) keys.push_back(mag_key(x[i]));
+    if (add) {
+      for (int64_t i = starts[r]; i < end; ++i) keys.push_back(mag_key(x[i] + add[i]));
+    } else {
+      for (int64_t i = starts[r]; i < end; ++i) keys.push_back(mag_key(x[i]));
+    }
   }
   const int64_t ks = topk_target((int64_t)keys.size(), ratio);
   return std::max<uint32_t>(kth_largest(keys, ks), 1u);  // never keep exact zeros
 }
 
-// Top-k of one chunk (n <= 2^31-1). Results stay in `parts` (in index order).
-void topk_chunk(const float* x, int64_t n, double ratio, int64_t sample_size, int64_t seed, std::vector<Part>& parts) {
+// Top-k of one chunk (n <= 2^31-1) of x, or of x + add (left in x). Results stay in `parts` (in index order).
+void topk_chunk(float* x, const float* add, int64_t n, double ratio, int64_t sample_size, int64_t seed,
+                std::vector<Part>& parts) {
   parts = make_parts(n);
   if (n == 0) return;
   const int64_t k = topk_target(n, ratio);
   if (k >= n) {  // keep every nonzero element
-    compact_ge(x, parts, 1u, std::numeric_limits<int64_t>::max(), 1.0);
+    compact_ge(x, add, parts, 1u, std::numeric_limits<int64_t>::max(), 1.0);
     return;
   }
   if (n > sample_size) {
-    const uint32_t t = sampled_threshold(x, n, ratio, effective_sample_size(n, sample_size), seed);
-    compact_ge(x, parts, t, 2 * k, (double)k / (double)n);
+    const uint32_t t = sampled_threshold(x, add, n, ratio, effective_sample_size(n, sample_size), seed);
+    compact_ge(x, add, parts, t, 2 * k, (double)k / (double)n);  // x holds the sum from here on
     int64_t c = 0;
     bool over = false;
     for (const Part& p : parts) {
@@ -391,6 +412,10 @@ void topk_chunk(const float* x, int64_t n, double ratio, int64_t sample_size, in
       over |= p.overflow;
     }
     if (!over && 2 * c >= k && c <= 2 * k) return;
+  } else if (add) {
+    const int64_t P = (int64_t)parts.size();
+#pragma omp parallel for schedule(dynamic, 1) if (P > 1)
+    for (int64_t p = 0; p < P; ++p) add_range(x + parts[p].lo, add + parts[p].lo, parts[p].hi - parts[p].lo);
   }
   // Refine: exact k-th largest magnitude, ties broken by lowest index.
   int64_t n_gt = 0;
@@ -399,7 +424,7 @@ void topk_chunk(const float* x, int64_t n, double ratio, int64_t sample_size, in
   std::vector<int64_t> allow(parts.size(), 0);
   if (t == 0) {
     t = 1;  // fewer than k nonzeros: keep all of them, no zeros
-    compact_ge(x, parts, t, std::numeric_limits<int64_t>::max(), (double)k / (double)n);
+    compact_ge(x, nullptr, parts, t, std::numeric_limits<int64_t>::max(), (double)k / (double)n);
     return;
   }
   int64_t budget = k - n_gt;
@@ -523,7 +548,7 @@ std::tuple<at::Tensor, at::Tensor> sparsify_topk_cpu(const at::Tensor& x, double
   TORCH_CHECK(n <= kMaxTopkChunk, op, ": x has ", n, " elements, more than a chunk's 2^31-1; ",
               "use megatier.ops.sparsify_topk, which splits it into chunks");
   std::vector<Part> parts;
-  topk_chunk(x.data_ptr<float>(), n, ratio, sample_size, seed, parts);
+  topk_chunk(const_cast<float*>(x.data_ptr<float>()), nullptr, n, ratio, sample_size, seed, parts);  // not written
   const int64_t c = parts_count(parts);
   at::Tensor vals = at::empty({c}, x.options().dtype(at::kHalf));
   at::Tensor idx = at::empty({c}, x.options().dtype(at::kInt));
@@ -595,9 +620,17 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
                                               const std::vector<int64_t>& numels,
                                               const std::vector<int64_t>& codecs, double ratio, int64_t block_size,
                                               int64_t sample_size, int64_t seed, int64_t chunk_size,
-                                              bool feedback) {
+                                              bool feedback, const std::optional<at::Tensor>& addend) {
   const char* op = "compress_segments";
   check_cpu_tensor(flat, op, "flat", at::kFloat);
+  const float* add_p = nullptr;  // flat += addend inside the passes below, block by block while in cache
+  if (addend.has_value() && addend->defined()) {
+    check_cpu_tensor(*addend, op, "addend", at::kFloat);
+    TORCH_CHECK(addend->numel() == flat.numel(), op, ": addend has ", addend->numel(), " elements but flat has ",
+                flat.numel());
+    TORCH_CHECK(addend->data_ptr<float>() != flat.data_ptr<float>(), op, ": addend must not be flat itself");
+    add_p = addend->data_ptr<float>();
+  }
   check_ratio(ratio, sample_size, op);
   TORCH_CHECK(block_size >= 1, op, ": block_size must be >= 1, got ", block_size);
   TORCH_CHECK(chunk_size >= 1 && chunk_size <= kMaxTopkChunk, op, ": chunk_size must be in [1, 2^31-1], got ",
@@ -666,6 +699,7 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
 #pragma omp parallel for schedule(dynamic, 1) if (dense_total >= kParallelMin && tasks.size() > 1)
   for (size_t t = 0; t < tasks.size(); ++t) {
     const Task& tk = tasks[t];
+    if (add_p) add_range(x + tk.src, add_p + tk.src, tk.len);
     if (tk.codec == kPieceInt8) {
       int64_t b = 0;
       for (int64_t a = 0; a < tk.len; a += block_size, ++b) {
@@ -691,12 +725,12 @@ std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std:
     const int64_t len = numels[s];
     const int64_t nch = len == 0 ? 0 : (len + chunk_size - 1) / chunk_size;
     for (int64_t c = 0; c < nch; ++c) {
-      const int64_t a = c * chunk_size;
+      const int64_t at = offsets[s] + c * chunk_size;
       chunk_parts.emplace_back();
-      topk_chunk(x + offsets[s] + a, std::min(chunk_size, len - a), ratio, sample_size,
-                 chunk_seed(seed, (int64_t)s, c), chunk_parts.back());
+      topk_chunk(x + at, add_p ? add_p + at : nullptr, std::min(chunk_size, len - c * chunk_size), ratio,
+                 sample_size, chunk_seed(seed, (int64_t)s, c), chunk_parts.back());
       chunk_counts.push_back(parts_count(chunk_parts.back()));
-      if (feedback) subtract_kept(chunk_parts.back(), x + offsets[s] + a);
+      if (feedback) subtract_kept(chunk_parts.back(), x + at);
     }
   }
   const int64_t n_topk = std::accumulate(chunk_counts.begin(), chunk_counts.end(), (int64_t)0);

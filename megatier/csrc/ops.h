@@ -41,9 +41,12 @@ MEGATIER_DEVICE_OPS(cuda)
 // CPU only: one pass over a gradient shard, every segment coded by its codec (compression.cpp).
 // With `feedback`, flat is left holding flat - decode(record) (error feedback; bitwise the same as
 // decompressing the record and subtracting it), computed while each block is in cache.
+// With `addend`, flat first becomes flat + addend (folded into the same passes: one read of flat fewer than
+// adding it beforehand) and that sum is what is compressed.
 std::vector<at::Tensor> compress_segments_cpu(const at::Tensor& flat, const std::vector<int64_t>& offsets,
                                               const std::vector<int64_t>& numels,
                                               const std::vector<int64_t>& codecs, double ratio, int64_t block_size,
-                                              int64_t sample_size, int64_t seed, int64_t chunk_size, bool feedback);
+                                              int64_t sample_size, int64_t seed, int64_t chunk_size, bool feedback,
+                                              const std::optional<at::Tensor>& addend);
 
 }  // namespace megatier

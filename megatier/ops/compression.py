@@ -74,6 +74,7 @@ def compress_segments(
     seed: int = 0,
     chunk_size: int = TOPK_CHUNK_ELEMS,
     feedback: bool = False,
+    addend: Optional[torch.Tensor] = None,
 ) -> CompressedRecord:
     """Compress a flat fp32 gradient shard per parameter segment into one :class:`CompressedRecord`.
 
@@ -85,19 +86,32 @@ def compress_segments(
     ``feedback``: also leave ``flat - decompress_segments(record)`` in ``flat`` (error feedback: what the
     record left out), bitwise that expression; on CPU computed inside the compression pass, touching only
     the kept entries of top-k segments, instead of two more passes over the shard.
+
+    ``addend``: compress ``flat + addend`` instead, leaving that sum in ``flat`` (before any feedback): bitwise
+    ``flat.add_(addend)`` first, but on CPU folded into the compression's own pass over ``flat`` (error
+    feedback's residual plus a step's gradient: one read of the 4-byte-per-element shard fewer, ~1 ms of the
+    loop for the demo model's 3.3 M elements when the shard is not in cache).
     """
     op = "compress_segments"
     check_flat(flat, op, "flat")
+    if addend is not None:
+        check_flat(addend, op, "addend")
+        if addend.shape != flat.shape or addend.device != flat.device or addend.data_ptr() == flat.data_ptr():
+            raise ValueError(f"{op}: addend must be another fp32 tensor of flat's shape {tuple(flat.shape)} on "
+                             f"{flat.device}, got shape {tuple(addend.shape)} on {addend.device}")
     header = _record_header(op, flat.numel(), mode, ratio, small_threshold, block_size, sample_size, seed,
                             chunk_size)
     offsets, numels = _normalize_segments(segments, flat.numel(), op)
     codecs = _codecs(mode, numels, header["small_threshold"])
     native = flat.device.type == "cpu" and _native.use_native(flat)
-    if native:  # feedback, if asked, is applied inside this pass
+    if addend is not None and not native:
+        flat.add_(addend)
+        addend = None
+    if native:  # the addend and feedback, if asked, are applied inside this pass
         h = header
         codes, scales, tv, ti, tc, bf, fp = _native.lib().compress_segments(
             flat, offsets, numels, [CODEC_KIND[c] for c in codecs], h["ratio"], h["block_size"], h["sample_size"],
-            _signed64(h["seed"]), h["chunk_size"], feedback)
+            _signed64(h["seed"]), h["chunk_size"], feedback, addend)
         pools, chunk_counts = dict(zip(POOLS, (codes, scales, tv, ti, bf, fp))), tc.tolist()
     else:
         pools, chunk_counts = _compress_reference(flat, offsets, numels, codecs, header)

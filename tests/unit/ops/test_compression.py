@@ -319,6 +319,59 @@ def test_compress_feedback_leaves_the_residual(mode, backend, monkeypatch):
     assert torch.equal(residual.view(torch.int32), (x - dense).view(torch.int32))
 
 
+def _addend_cases(n: int):
+    """(x, addend) pairs: special values in both; and a constant sum in the second segment, whose sampled
+    threshold keeps every element, so the pass stops compacting early and the exact selection runs on the sum."""
+    x = _special_values(n)
+    x[2000], x[3000] = float("nan"), float("inf")
+    add = torch.randn(n, generator=_gen(5))
+    add[100:300] = -x[100:300]  # sums of exactly zero
+    add[4000:4256] = -0.0
+    yield x, add
+    flat, tie = x.clone(), torch.zeros(n)
+    flat[1000:151_000], tie[1000:151_000] = 0.25, 0.75
+    yield flat, tie
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("threads", [1, 0])
+@pytest.mark.parametrize("mode,ratio", [(m, 0.01) for m in ops.MODES] + [("topk", 1.0)])
+def test_an_addend_is_compressed_as_if_added_first(mode, ratio, threads, backend, monkeypatch):
+    # addend=g: the record of flat + g and the residual left in flat are bitwise those of flat.add_(g) first, with
+    # feedback or without, in chunks or whole, on one thread or the team (the native pass folds the add in)
+    if backend == "native" and not ops.native_available():
+        pytest.skip("megatier._C not built")
+    if backend == "reference":
+        monkeypatch.setattr(_native, "_C", None)
+        monkeypatch.setattr(_native, "_warned", True)
+    segs, n = _segments()
+    for x, add in _addend_cases(n):
+        for feedback, chunk in ((True, 50_000), (False, ops.TOPK_CHUNK_ELEMS)):
+            with ops.thread_parallelism(threads):
+                first = x.clone().add_(add)
+                rec = ops.compress_segments(first, segs, mode, ratio, 100_000, seed=8, chunk_size=chunk,
+                                            feedback=feedback)
+                folded = x.clone()
+                got = ops.compress_segments(folded, segs, mode, ratio, 100_000, seed=8, chunk_size=chunk,
+                                            feedback=feedback, addend=add)
+            assert got.header == rec.header
+            assert got.tensors.keys() == rec.tensors.keys()
+            for k in rec.tensors:
+                assert torch.equal(got.tensors[k].view(torch.uint8), rec.tensors[k].view(torch.uint8)), k
+            assert torch.equal(folded.view(torch.int32), first.view(torch.int32))
+
+
+def test_an_addend_must_be_another_tensor_of_the_same_shape():
+    segs, n = _segments()
+    x = torch.randn(n, generator=_gen(3))
+    with pytest.raises(ValueError, match="addend must be another fp32 tensor"):
+        ops.compress_segments(x, segs, "adaptive", addend=torch.zeros(n - 1))
+    with pytest.raises(ValueError, match="addend must be another fp32 tensor"):
+        ops.compress_segments(x, segs, "adaptive", addend=x)
+    with pytest.raises(ValueError, match="addend must be"):
+        ops.compress_segments(x, segs, "adaptive", addend=torch.zeros(n, dtype=torch.float64))
+
+
 @native_only
 @pytest.mark.parametrize("mode", ["adaptive", "int8", "bf16"])
 def test_one_thread_compresses_exactly_as_the_team(mode):
