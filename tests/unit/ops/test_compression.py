@@ -295,16 +295,21 @@ def test_compress_native_matches_reference_backend(mode, monkeypatch):
     assert torch.equal(ops.decompress_segments(rec), dense_ref)
 
 
-@pytest.mark.parametrize("backend", ["native", "reference"])
-@pytest.mark.parametrize("mode", ops.MODES)
-def test_compress_feedback_leaves_the_residual(mode, backend, monkeypatch):
-    # feedback=True: the same record, and flat - decompress(record) left in flat, bit for bit (NaN, inf, zero and
-    # denormal blocks included)
+def _use_backend(backend: str, monkeypatch) -> None:
+    """Route megatier.ops through ``backend``: the native extension (skip the test without it) or the reference."""
     if backend == "native" and not ops.native_available():
         pytest.skip("megatier._C not built")
     if backend == "reference":
         monkeypatch.setattr(_native, "_C", None)
         monkeypatch.setattr(_native, "_warned", True)
+
+
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("mode", ops.MODES)
+def test_compress_feedback_leaves_the_residual(mode, backend, monkeypatch):
+    # feedback=True: the same record, and flat - decompress(record) left in flat, bit for bit (NaN, inf, zero and
+    # denormal blocks included)
+    _use_backend(backend, monkeypatch)
     segs, n = _segments()
     x = _special_values(n)
     x[2000] = float("nan")
@@ -339,11 +344,7 @@ def _addend_cases(n: int):
 def test_an_addend_is_compressed_as_if_added_first(mode, ratio, threads, backend, monkeypatch):
     # addend=g: the record of flat + g and the residual left in flat are bitwise those of flat.add_(g) first, with
     # feedback or without, in chunks or whole, on one thread or the team (the native pass folds the add in)
-    if backend == "native" and not ops.native_available():
-        pytest.skip("megatier._C not built")
-    if backend == "reference":
-        monkeypatch.setattr(_native, "_C", None)
-        monkeypatch.setattr(_native, "_warned", True)
+    _use_backend(backend, monkeypatch)
     segs, n = _segments()
     for x, add in _addend_cases(n):
         for feedback, chunk in ((True, 50_000), (False, ops.TOPK_CHUNK_ELEMS)):
