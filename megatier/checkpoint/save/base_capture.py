@@ -12,7 +12,11 @@
   finished by then. Each part is then copied during the next step's
   operations, off the training thread, and the base is complete one step after
   its version. When no schedule exists (before the profile, or the solver
-  found none) parts are copied at the end of their step.
+  found none) parts are copied at the end of their step, and the base is
+  still handed on one step after its version: whether the solver finds a
+  schedule depends on each rank's own timings, and a rank handing its base to
+  the lockstep tiers (Tier-2's ring) a step before the others would break the
+  pairing of their transfers.
 
 Bases are at the anchor (a snapshot, taken by the manager) and every
 :attr:`BaseCapturer.interval` steps after it (``base_interval``, or the one
@@ -59,10 +63,12 @@ class BaseCapturer:
         self._profiler: Optional[Profiler] = None
         self._planning: Optional[Future] = None  # the copier's solve: (schedule or None, the line to report)
         self._planned = not scheduled
+        self._held: Optional[Reconcile] = None  # an unscheduled base, handed on at the step a scheduled one would be
 
     @property
     def held_bytes(self) -> int:
-        return self._capture.held_bytes if self._capture is not None else 0
+        held = self._held.nbytes if self._held is not None else 0
+        return held + (self._capture.held_bytes if self._capture is not None else 0)
 
     def after_step(self, step: int) -> Optional[Union[BaseState, Reconcile]]:
         """The base to hand to the save thread after optimizer step ``step`` (a snapshot, or a spread capture's
@@ -92,7 +98,18 @@ class BaseCapturer:
             first = self._capture.after_step(step)  # part 0; a base already when k = 1 and it is copied now
             if first is not None:
                 base, how, self._capture = first, "spread", None
-        return self._handed(base, how)
+        return self._handed(*self._on_schedule_step(base, how))
+
+    def _on_schedule_step(self, base: Optional[Reconcile], how: str) -> tuple[Optional[Reconcile], str]:
+        """With the Checkflow schedule configured every base is handed on one step after its version, as a
+        scheduled capture completes: an unscheduled one (no profile yet, or no schedule found on this rank)
+        is held for a step. At most one base completes per step (two captures never share a version), and no
+        capture is under way while one is held (the next starts at least base_interval - k + 1 >= 1 steps
+        after the held one's version)."""
+        if self._ops is None or (base is not None and how == "scheduled"):
+            return base, how
+        held, self._held = self._held, base
+        return held, "spread"
 
     def release(self) -> None:
         """Let the copier start what this step gave it (the part to stage, gradient slices, the planning)."""
@@ -101,8 +118,8 @@ class BaseCapturer:
 
     def flush(self) -> Optional[Reconcile]:
         """At exit: a capture whose version was reached but whose last part was to be copied by the next step."""
-        base = self._capture.flush() if self._capture is not None else None
-        self._capture = None
+        base = self._held or (self._capture.flush() if self._capture is not None else None)
+        self._capture = self._held = None
         return base
 
     def metrics(self) -> dict:

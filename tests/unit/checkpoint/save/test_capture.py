@@ -10,6 +10,7 @@ from torch import nn
 from megatier.checkpoint.format.payload import decode_base
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.save import base_capture
 from megatier.checkpoint.save.capture import SpreadCapture, clip_ranges, part_bounds
 from megatier.checkpoint.tiers.base import JOB as JOB_SCOPE
 from megatier.checkpoint.tiers.base import TIER1, TIER3
@@ -214,3 +215,22 @@ def test_a_staged_part_is_written_over_the_file_of_a_part_read_back(tmp_path):
     read_back(third, 1000)
     assert not os.path.exists(third.staged) and len(area.spares) == 0
     assert memory.capture_area(0).directory == area.directory and os.listdir(area.directory) == []
+
+
+def test_a_rank_without_a_schedule_hands_on_its_bases_when_scheduled_ranks_do(monkeypatch):
+    # Whether the solver finds a schedule depends on each rank's own timings: one rank may find none where the
+    # others do. Its bases must reach the lockstep tiers (Tier-2's ring) at the same step as theirs, one after
+    # the version, or the ring's transfers stop pairing up and replication stops.
+    _, scheduled = _bases("spread", scheduled=True)
+    monkeypatch.setattr(base_capture, "plan", lambda *args, **kwargs: None)
+    fallback_tiers, fallback = _bases("spread", scheduled=True)
+    whole, _ = _bases("snapshot")
+    for run, how in ((scheduled, "scheduled"), (fallback, "spread")):
+        handed = {s: (m["base_capture_version"], m["base_capture"]) for s, m in run["metrics"].items()
+                  if "base_capture_version" in m}
+        assert handed == {11: (10, how)}, handed  # base 20: at close, its step 21 never ran
+    assert "none fits" in next(m["base_capture_schedule"] for m in fallback["metrics"].values()
+                               if "base_capture_schedule" in m)
+    for version in (10, 20):
+        a, b = _base(fallback_tiers, version), _base(whole, version)
+        assert all(torch.equal(getattr(a, kind), getattr(b, kind)) for kind in STATE), version
