@@ -548,7 +548,7 @@ std::tuple<at::Tensor, at::Tensor> sparsify_topk_cpu(const at::Tensor& x, double
   TORCH_CHECK(n <= kMaxTopkChunk, op, ": x has ", n, " elements, more than a chunk's 2^31-1; ",
               "use megatier.ops.sparsify_topk, which splits it into chunks");
   std::vector<Part> parts;
-  topk_chunk(const_cast<float*>(x.data_ptr<float>()), nullptr, n, ratio, sample_size, seed, parts);  // not written
+  topk_chunk(x.data_ptr<float>(), nullptr, n, ratio, sample_size, seed, parts);  // no addend: x is not written
   const int64_t c = parts_count(parts);
   at::Tensor vals = at::empty({c}, x.options().dtype(at::kHalf));
   at::Tensor idx = at::empty({c}, x.options().dtype(at::kInt));

@@ -118,7 +118,9 @@ class BaseCapturer:
 
     def flush(self) -> Optional[Reconcile]:
         """At exit: a capture whose version was reached but whose last part was to be copied by the next step."""
-        base = self._held or (self._capture.flush() if self._capture is not None else None)
+        base = self._held  # never beside a capture under way (see _on_schedule_step)
+        if base is None and self._capture is not None:
+            base = self._capture.flush()
         self._capture = self._held = None
         return base
 
