@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include "ops.h"
+#include "team.h"
 
 #include <pybind11/stl.h>
 
@@ -139,6 +140,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "exp_avg_sq"_a, "grads"_a, "step_sizes"_a, "bc2_sqrts"_a, "keeps"_a, "skipped"_a, "beta1"_a, "beta2"_a,
         "eps"_a, "decay"_a, "decay_segments"_a, nogil);
   m.def("build_info", &build_info, "How this extension was built");
+  m.def("run_with_team_parked", &run_with_team_parked,
+        "fn() on the calling thread while the other threads of its OpenMP team sleep (not spin); returns its "
+        "result", "fn"_a);
   m.def(
       "set_thread_num_threads",
       [](int n) {

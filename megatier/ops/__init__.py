@@ -16,7 +16,8 @@ Every op validates its arguments and raises TypeError/ValueError naming the
 argument and the fix; the compiled kernels re-check (RuntimeError) so that bad
 input never crashes the process.
 """
-from megatier.ops._native import limit_thread_parallelism, native_available, native_info, thread_parallelism
+from megatier.ops._native import (limit_thread_parallelism, native_available, native_info, run_with_team_parked,
+                                  thread_parallelism)
 from megatier.ops.adamw import adamw_replay, adamw_step
 from megatier.ops.codecs import (DEFAULT_BLOCK_SIZE, DEFAULT_RATIO, DEFAULT_SAMPLE_SIZE, DEFAULT_SMALL_THRESHOLD,
                                  MODES, TOPK_CHUNK_ELEMS, TopK, densify, dequantize_int8, quantize_int8,
@@ -30,6 +31,7 @@ __all__ = [
     "native_info",
     "limit_thread_parallelism",
     "thread_parallelism",
+    "run_with_team_parked",
     "adamw_scalars",
     "adamw_step",
     "adamw_replay",

@@ -13,9 +13,11 @@ import os
 import threading
 import warnings
 from types import ModuleType
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 BUILD_HINT = "build it with `pip install --no-build-isolation -e .` (needs torch, pybind11, ninja and a C++ compiler)"
 
@@ -69,6 +71,20 @@ def limit_thread_parallelism(n: int = 1) -> bool:
     # overwrite ours afterwards.
     torch.get_num_threads()
     return bool(_C.set_thread_num_threads(int(n)))
+
+
+def run_with_team_parked(fn: Callable[[], T]) -> T:
+    """``fn()`` on the calling thread while the other threads of its OpenMP team sleep; returns its result.
+
+    An idle team thread spins for several milliseconds before it sleeps (libgomp's default wait policy), so
+    serial work between two parallel ops, such as the checkpoint hook of a CPU training loop, burns a
+    second core meanwhile. Inside ``fn`` ATen and our kernels run on the calling thread alone (the caller is
+    in a parallel region), so work that should use the team goes before or after. Exceptions propagate.
+    Without the extension (or OpenMP, or with a team of one) this is plain ``fn()``.
+    """
+    if _C is None:
+        return fn()
+    return _C.run_with_team_parked(fn)
 
 
 @contextlib.contextmanager

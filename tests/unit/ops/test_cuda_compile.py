@@ -27,7 +27,7 @@ def cuda_build(tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_cuda_build_compiles_and_defines_every_megatier_symbol(cuda_build):
     assert [o.name for o in cuda_build.objects] == ["ops_cuda.cu.o", "adamw.o", "bindings.o", "compression.o",
-                                                    "pieces.o"]
+                                                    "pieces.o", "team.o"]
     assert all(o.stat().st_size > 0 for o in cuda_build.objects) and cuda_build.shared_object.exists()
     assert cuda_build.undefined_megatier == []
     # Our sources compile without a warning (torch's own headers may warn; none of those come from megatier/).
