@@ -99,6 +99,13 @@ class _PhaseClock:
         self.laps[part] = 1000.0 * (now - self._t)
         self._t = now
 
+    def add_since(self, part: str, start: float) -> None:
+        """Add the time since ``start`` (a perf_counter reading after the last lap) to ``part``; the next lap
+        starts now."""
+        now = time.perf_counter()
+        self.laps[part] = self.laps.get(part, 0.0) + 1000.0 * (now - start)
+        self._t = now
+
 
 class CheckpointManager:
     """Decides what to save and when; one per rank, driven by the training loop in lockstep."""
@@ -181,25 +188,43 @@ class CheckpointManager:
         """Save path of step ``step``; returns this step's checkpoint metrics, with the milliseconds each part
         of the save path held the loop (``ckpt_<part>_ms``; the whole stall is measured by the caller).
 
-        The loop's serial work runs with the other threads of its OpenMP team asleep
-        (:func:`~megatier.ops.run_with_team_parked`): an idle team thread otherwise spins through it, a second
-        core's worth of CPU (on the 2-core box a 4.3 ms hook cost 8.7 ms of process CPU, parked 4.5). What may
-        use the team stays outside: the compression when ``checkpoint.diff.threads`` is not 1, and the base
-        capture's copies."""
+        The compression and the step unit's write run with the other threads of the loop's OpenMP team asleep
+        (:func:`~megatier.ops.run_with_team_parked`): an idle team thread otherwise spins through them, a
+        second core's worth of CPU (on the 2-core box the 4.3 ms hook cost 8.7-8.9 ms of process CPU, 5.1-5.5 so).
+        The compression goes outside when ``checkpoint.diff.threads`` asks for the team; the base capture's
+        copies may use the team; and the rest wakes the helper threads, which then hold the free core: a
+        team parked through it waited for a core to leave its region (1.5 ms at p90, 4.6 at p99, against
+        0.07 and 0.13 for the first part)."""
         self._step = step
         if self._auto is not None:
             self._auto.step_done()
         clock = _PhaseClock()
         closes = (step - self.anchor) % self.cfg.diff.batch == 0
         if self.cfg.diff.threads == 1:
-            record, nbytes, handoff = ops.run_with_team_parked(
-                lambda: self._save_diff(step, self._compress(step, clock), closes, clock))
+            record, nbytes, handoff = self._parked(
+                lambda: self._save_diff(step, self._compress(step, clock), closes, clock), clock)
         else:
             compressed = self._compress(step, clock)
-            record, nbytes, handoff = ops.run_with_team_parked(lambda: self._save_diff(step, compressed, closes, clock))
+            record, nbytes, handoff = self._parked(lambda: self._save_diff(step, compressed, closes, clock), clock)
         base = self.capture.after_step(step)
         clock.lap("base_copy")
-        return ops.run_with_team_parked(lambda: self._hand_on(step, record, nbytes, closes, handoff, base, clock))
+        self._hand_on(step, record, nbytes, closes, handoff, base, clock)
+        return self._metrics(clock.laps)
+
+    @staticmethod
+    def _parked(fn, clock: _PhaseClock):
+        """``fn()`` with the rest of the loop's team asleep; the wait for the team to wake and leave the region
+        afterwards (a core must be free for it) is the ``unpark`` lap."""
+        ended = []
+
+        def run():
+            out = fn()
+            ended.append(time.perf_counter())
+            return out
+
+        out = ops.run_with_team_parked(run)
+        clock.add_since("unpark", ended[0])
+        return out
 
     def _compress(self, step: int, clock: _PhaseClock) -> tuple[DiffStep, int]:
         # Compressed here, in the loop (on a GPU, kernels on the training stream, as in TierCheck), by
@@ -224,8 +249,9 @@ class CheckpointManager:
         return record, nbytes, handoff
 
     def _hand_on(self, step: int, record: DiffStep, nbytes: int, closes: bool,
-                 handoff: list[Union[PayloadId, EncodedPayload]], base, clock: _PhaseClock) -> dict:
-        """The rest of the step's save path, after the base capture: hand-over, ticks, submits, sync, budget."""
+                 handoff: list[Union[PayloadId, EncodedPayload]], base, clock: _PhaseClock) -> None:
+        """The rest of the step's save path, after the base capture: hand-over, ticks, submits, sync, budget (not
+        parked: see :meth:`after_step`)."""
         if base is not None:
             self._handoff.append(PayloadId.base(base.version))
         self._hand_over(handoff)
@@ -249,7 +275,6 @@ class CheckpointManager:
         clock.lap("sync")
         self._enforce_budget()
         clock.lap("budget")
-        return self._metrics(clock.laps)
 
     def _choose_interval(self) -> None:
         """base_interval=auto at the end of its warm-up: every rank's costs gathered, the same interval taken by

@@ -97,3 +97,45 @@ def test_recovery_points_per_class():
     assert recovery_points({TIER1: [12, 10]}, 13)["rpo_node"] is None  # no Tier-2, no Tier-3: nothing survives
     assert recovery_points({TIER3: [n]}, 3) == {"rpo_software": None, "rpo_node": None, "rpo_rack": None,
                                                 "t2_lag_steps": None, "t3_lag_steps": None}
+
+
+def test_the_loops_serial_work_runs_with_its_team_parked_until_the_helpers_are_woken(monkeypatch):
+    # Compression and the step unit's write run inside ops.run_with_team_parked (an idle OpenMP thread would
+    # spin through them); the ticks and submits wake the helper threads, which then took the parked thread's
+    # core, so they come after the region (leaving it had waited up to a scheduler slice for a core).
+    from megatier.checkpoint import manager as mg
+
+    depth, calls = [0], []
+    real = mg.ops.run_with_team_parked
+
+    def tracking(fn):
+        depth[0] += 1
+        try:
+            return real(fn)
+        finally:
+            depth[0] -= 1
+
+    def recorded(name, fn):
+        def wrapper(*args, **kwargs):
+            calls.append((name, depth[0] > 0))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(mg.ops, "run_with_team_parked", tracking)
+    tiers = [MemoryTier(TIER1, takes_steps=True), MemoryTier(TIER3, scope=JOB)]
+    opt, shard = tiny_shard()
+    manager = CheckpointManager(context(tiers), shard, inline=True)
+    first, _ = manager.restore()
+    monkeypatch.setattr(shard, "compress", recorded("compress", shard.compress))
+    monkeypatch.setattr(manager, "_save_step_unit", recorded("step_unit", manager._save_step_unit))
+    for tier in tiers:
+        monkeypatch.setattr(tier, "on_step", recorded("tick", tier.on_step))
+    monkeypatch.setattr(manager.worker, "submit_diff", recorded("submit", manager.worker.submit_diff))
+    metrics = []
+    for s in range(first + 1, first + 7):
+        step(opt, s)
+        metrics.append(manager.after_step(s))
+    manager.close()
+    assert {name for name, _ in calls} == {"compress", "step_unit", "tick", "submit"}
+    assert all(parked == (name in ("compress", "step_unit")) for name, parked in calls), calls
+    assert all(m["ckpt_unpark_ms"] >= 0.0 for m in metrics)
