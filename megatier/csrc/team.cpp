@@ -1,12 +1,12 @@
 // Serial host work beside the OpenMP team, with the team's other threads asleep.
 //
 // libgomp's idle team threads spin before they sleep (OMP_WAIT_POLICY unset:
-// about 300 000 spins, several milliseconds on current x86 where PAUSE takes
-// ~140 cycles), so that the next parallel region starts without a futex wake.
+// 300 000 spins, which libgomp's own comment puts at ~3 ms, give or take 5x
+// with the CPU), so that the next parallel region starts without a futex wake.
 // Serial work of the calling thread in between, like the checkpoint's after-step
 // hook in a CPU training loop, therefore burns a second core for as long as it
-// runs: measured here, 4.2 ms of spin on the team's other thread for a 4.3 ms
-// hook. run_with_team_parked runs the serial work inside a parallel region in
+// runs: measured on the 2-core box, 4.2 ms of spin on the team's other thread
+// during a 4.3 ms hook. run_with_team_parked runs the serial work inside a parallel region in
 // which every other team thread blocks on a condition variable (a futex wait,
 // no CPU) until it is done; afterwards they return to the team's dock and spin
 // as usual, so the next training op starts as fast as before.
