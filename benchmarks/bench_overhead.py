@@ -3,10 +3,12 @@
 
 Every row trains the same model from the same seed on the same data for the
 same steps, each run as its own torchrun job of --nproc processes (1 by
-default). A fresh process per run, as a real job has: a second Trainer built in
-one process trained ~25% slower per step on the 2-core box, its idle OpenMP
-thread no longer spinning between the loop's parallel ops, so in-process runs
-measured neither the training nor the checkpoint hook's CPU as a job pays them.
+default). A fresh process per run, as a real job has: a Trainer built after
+another one closed in the same process trained ~25% slower per step on the
+2-core box (it follows the closing Trainer's gather of the whole state for its
+digest), its idle OpenMP thread no longer spinning between the loop's parallel
+ops, so in-process runs measured neither the training nor the checkpoint
+hook's CPU as a job pays them.
 
   none                   no checkpointing: the reference
   megatier               tiered checkpointing (checkpoint=tiered, tiers local+remote on
