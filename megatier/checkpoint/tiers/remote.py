@@ -110,9 +110,10 @@ class RemoteTier(Tier):
         self.reader = RemoteReader(store, job_id)
         self.coordinator = (Coordinator(store, job_id, world_size, keep_bases=keep_bases, fault_hook=fault)
                             if rank == 0 else NoCoordinator())  # polls from start(), after restore
-        # The coordinator's rank nudges it after each of its own markers (in a world of one, the last).
+        # The coordinator's rank nudges it after each of its own markers, naming the unit: no unit commits
+        # without rank 0's marker, so that is when one may become complete (in a world of one, it is).
         self.uploader = Uploader(store, job_id, rank, incarnation=incarnation, fault_hook=fault,
-                                 on_done=lambda pid: self.coordinator.nudge())
+                                 on_done=self.coordinator.nudge)
 
     def where(self) -> str:
         return f"Tier-3 at {self.store.url}"
@@ -150,13 +151,11 @@ class RemoteTier(Tier):
             log.warning("could not record the config fingerprint on Tier-3 (%s): %s", self.store.url, e)
 
     def point(self) -> Optional[int]:
-        """The rack recovery point (known on rank 0). Asked at each watermark sync, right after a diff
-        batch closed, so it also wakes the coordinator: that batch's units may be complete soon; and
-        stops the run if another launch took the Tier-3 lease over."""
+        """The rack recovery point (known on rank 0), asked at each watermark sync; stops the run if another
+        launch took the Tier-3 lease over. (The coordinator polls when rank 0's uploader marks a unit done.)"""
         if self.lease is not None and self.lease.lost is not None:
             raise RuntimeError(f"this run lost the Tier-3 lease at {self.store.url}: {self.lease.lost}; it stops "
                                f"so that two runs never write one job's checkpoints")
-        self.coordinator.nudge()
         return self.coordinator.recovery_point()
 
     def durable_base(self) -> Optional[int]:

@@ -54,3 +54,42 @@ def test_reclaims_only_behind_the_published_watermark(tmp_path, upload_all):
         assert sorted(list_units(store)) == left
     finally:
         coord.close(5)
+
+
+class CountingStore(DirectoryStore):
+    """A directory store that counts whole-job listings (one per coordinator poll)."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.listings = 0
+
+    def list(self, prefix=""):
+        if prefix == "":
+            self.listings += 1
+        return super().list(prefix)
+
+
+def test_polls_only_while_a_nudged_unit_waits_for_markers(tmp_path, upload_all):
+    store = CountingStore(str(tmp_path / "t3"))
+    for u in upload_all(store, {r: [base(0, r)] for r in range(WORLD)}).values():
+        u.wait(10)
+    coord = Coordinator(store, JOB, WORLD, keep_bases=1, poll_s=0.02).start()
+    try:
+        _wait(lambda: coord.newest_base() == 0)
+        time.sleep(0.1)  # let the first poll finish
+        idle = store.listings
+        time.sleep(0.3)  # 15 poll periods with nothing awaited: no poll
+        assert store.listings == idle
+        # Rank 0 marks 1..5 done first; the others' markers come later: polls go on until it commits.
+        upload_all(store, {0: [diff(1, 5, 0)]}, {0: {"on_done": coord.nudge}})[0].wait(10)
+        time.sleep(0.2)
+        assert store.listings >= idle + 3 and coord.recovery_point() == 0
+        for u in upload_all(store, {r: [diff(1, 5, r)] for r in range(1, WORLD)}).values():
+            u.wait(10)
+        _wait(lambda: coord.recovery_point() == 5)
+        time.sleep(0.1)
+        settled = store.listings
+        time.sleep(0.3)
+        assert store.listings <= settled + 1  # at most the poll in flight when the unit committed
+    finally:
+        coord.close(5)
