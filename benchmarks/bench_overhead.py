@@ -56,9 +56,13 @@ also holds the per-step metrics logging, alike in every row). It splits into
             and lease; a baseline's persist thread, DCP's executor), each read
             from its own thread CPU clock; a thread that ends reports its total
             as its run() returns, so short-lived ones are counted in full
-  in hook   the process CPU inside after_step (the main thread and its OpenMP
-            team: e.g. MegaTier's diff compression) less what the helpers used
-            meanwhile, so nothing is counted twice
+  in hook   what the other threads (the main thread, its OpenMP team, gloo's;
+            listed at the window's start) used inside after_step, each read
+            from its own thread CPU clock: e.g. MegaTier's diff compression.
+            (Not the process clock, which brings only the calling thread up to
+            date: a team thread spinning on the other core before the hook had
+            that spin accounted when the hook parked it, ~1 ms per step of
+            training CPU counted as the hook's on the 2-core box)
   training  the rest: forward, backward, optimizer step, gloo, logging
 
 "ckpt %" = (helpers + in hook) / training of the same run: a ratio within one
@@ -66,9 +70,9 @@ run, so a slowdown of the whole box largely cancels. Native threads a helper
 spawns (an OpenMP team of its own) count as training there; "vs none", the
 process CPU per step over the mean of the ``none`` runs around the run (paired
 like the wall overhead), includes everything. Each figure is the median over
-repeats with min..max. The probes add two reads of the process CPU clock and
-two of each helper's clock to every after_step call (microseconds, inside
-``ckpt_stall_ms``). Targets: MegaTier's ckpt % at most 2% with a diff every
+repeats with min..max. The probes add two reads of each non-helper thread's
+clock to every after_step call (~20 threads, tens of microseconds, inside
+``ckpt_stall_ms`` and the in-hook CPU). Targets: MegaTier's ckpt % at most 2% with a diff every
 step; its wall overhead, with its min..max, the lowest among the rows
 checkpointing every step.
 
@@ -432,8 +436,8 @@ def print_cpu_table(summary: dict, args) -> None:
                  f"repeats (min..max);",
                  "vs none = median over repeats of (run / mean of the `none` runs just before and after it) - 1 "
                  "(min..max);",
-                 "helpers = Python threads the checkpointer started; in hook = after_step's CPU less the helpers' "
-                 "meanwhile;",
+                 "helpers = Python threads the checkpointer started; in hook = the other threads' CPU inside "
+                 "after_step (thread clocks);",
                  "training = the rest; ckpt % = (helpers + in hook) / training (median over repeats, min..max)"],
                 f"{'row':<24} {'CPU ms':>8} {'min..max ms':>15} {'vs none':>8} {'min..max %':>15} "
                 f"{'helpers ms':>10} {'in hook ms':>10} {'training ms':>11} {'ckpt %':>7} {'min..max %':>13}")

@@ -8,6 +8,7 @@ thread.
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -76,24 +77,47 @@ class HelperThreads:
         threading.Thread.start = self._start
 
 
+def loop_threads(helpers: HelperThreads) -> list[int]:
+    """Native ids of this process's threads that are not helpers: the loop's thread, its OpenMP team, gloo's."""
+    started = {t.native_id for t in helpers.threads}
+    return [tid for tid in map(int, os.listdir("/proc/self/task")) if tid not in started]
+
+
+def threads_by_id_cpu_s(tids: list[int], read=_thread_clock_s) -> float:
+    """Sum of the live threads' CPU clocks (a thread that has ended is left out)."""
+    total = 0.0
+    for tid in tids:
+        try:
+            total += read(tid)
+        except OSError:
+            pass
+    return total
+
+
 class CpuMeter:
     """CPU seconds over the measured window (the start of step warmup+1 to the end of the loop).
 
     Wraps the trainer's train_step (to sample the window's start, outside the step's timing) and the
-    checkpointer's after_step: the process CPU inside the hook minus what the helper threads used
-    meanwhile is the loop's own checkpoint work (the main thread and its OpenMP team).
+    checkpointer's after_step: the loop's own checkpoint work is what the non-helper threads (the loop's
+    thread and its OpenMP team, listed at the window's start) used inside the hook, each read from its own
+    thread clock. Not from the process clock: that one brings only the calling thread's time up to date, so a
+    team thread that was spinning on another core before the hook had its spin accounted only when it next
+    blocked, i.e. when the hook parked it (up to a scheduler tick of it: ~1 ms per step of the loop's
+    training CPU counted as the hook's, on the 2-core box).
     """
 
     def __init__(self, helpers: HelperThreads, warmup: int):
         self.helpers, self.warmup = helpers, warmup
         self.start = None  # (process, helpers) CPU seconds at the start of step warmup+1
-        self.hook_process_s = self.hook_helpers_s = 0.0
+        self.hook_s = 0.0
+        self._loop: list[int] = []  # loop_threads() at the window's start
 
     def instrument(self, trainer) -> None:
         train_step = trainer.train_step
 
         def timed_step(step: int) -> dict:
             if step == self.warmup + 1:
+                self._loop = loop_threads(self.helpers)
                 self.start = (time.process_time(), self.helpers.cpu_s())
             return train_step(step)
 
@@ -104,11 +128,9 @@ class CpuMeter:
             def timed_hook(step: int) -> dict:
                 if step <= self.warmup:
                     return after_step(step)
-                h0, p0 = self.helpers.cpu_s(), time.process_time()
+                before = threads_by_id_cpu_s(self._loop)
                 out = after_step(step)
-                p1, h1 = time.process_time(), self.helpers.cpu_s()
-                self.hook_process_s += p1 - p0
-                self.hook_helpers_s += h1 - h0
+                self.hook_s += threads_by_id_cpu_s(self._loop) - before
                 return out
 
             trainer.checkpointer.after_step = timed_hook
@@ -117,7 +139,7 @@ class CpuMeter:
         """Call right after the loop: the window's CPU split, per step."""
         process_s = time.process_time() - self.start[0]
         helpers_s = self.helpers.cpu_s() - self.start[1]
-        return cpu_split(process_s, helpers_s, self.hook_process_s - self.hook_helpers_s, steps)
+        return cpu_split(process_s, helpers_s, self.hook_s, steps)
 
 
 def cpu_split(process_s: float, helpers_s: float, hook_s: float, steps: int) -> dict:

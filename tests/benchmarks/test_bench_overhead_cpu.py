@@ -167,3 +167,53 @@ def test_cpu_table_prints_every_row(capsys):
     megatier = next(line for line in out.splitlines() if line.startswith("megatier"))
     assert megatier.split()[1:4] == ["101.0", "101.0..101.0", "+1.0%"]
     assert megatier.split()[-2:] == ["1.50%", "1.50..1.50"]
+
+
+def test_cpu_meter_counts_the_loops_other_threads_in_the_hook_but_not_helpers():
+    """A thread of the loop's own (an OpenMP team member: started before the window, not a helper) working
+    while the hook runs is the hook's CPU; its work during the steps is training."""
+    go, done, stop = threading.Event(), threading.Event(), threading.Event()
+
+    def team_member():
+        while not stop.is_set():
+            if go.wait(0.01):
+                go.clear()
+                _burn(0.03)
+                done.set()
+
+    member = threading.Thread(target=team_member)
+    member.start()  # before HelperThreads: not a helper
+
+    class Checkpointer:
+        def after_step(self, step):
+            go.set()
+            done.wait(10)  # the loop waits for its team member: its CPU is the hook's
+            done.clear()
+            return {}
+
+    class Trainer:
+        def __init__(self):
+            self.checkpointer = Checkpointer()
+
+        def train_step(self, step):
+            _burn(0.05)
+            return {}
+
+        def train(self):
+            for step in (1, 2, 3):
+                self.train_step(step)
+                self.checkpointer.after_step(step)
+
+    try:
+        with ct.HelperThreads() as helpers:
+            trainer = Trainer()
+            meter = ct.CpuMeter(helpers, warmup=1)
+            meter.instrument(trainer)
+            trainer.train()
+            s = meter.finish(steps=2)
+    finally:
+        stop.set()
+        member.join()
+    assert s["helper_cpu_ms"] == pytest.approx(0.0, abs=2.0)
+    assert s["hook_cpu_ms"] == pytest.approx(30.0, abs=8.0)
+    assert s["train_cpu_ms"] == pytest.approx(50.0, abs=10.0)
