@@ -219,6 +219,17 @@ class PayloadDraft:
         """The stamp of ``data``, this draft's serialized bytes (any buffer)."""
         return Stamp(self.pid, len(data), checksum(data), self.job_id, self.layout, self.fingerprint)
 
+    def stamp_of_pieces(self, pieces: Sequence) -> Stamp:
+        """The stamp of this draft's serialized bytes, hashed from :meth:`pieces` as they are (the same xxh64 as
+        of their concatenation): the caller hashes what it writes while it is in cache, rather than reading
+        back a fresh map of the written file, which first faults in every page of it."""
+        digest = xxhash.xxh64()
+        size = 0
+        for piece in pieces:
+            digest.update(piece)
+            size += memoryview(piece).nbytes
+        return Stamp(self.pid, size, digest.hexdigest(), self.job_id, self.layout, self.fingerprint)
+
     def header(self) -> bytes:
         """The header piece: its 8-byte length, then the JSON of each tensor's dtype, shape and byte range and the
         metadata, padded to 8 bytes. A function of dtypes and shapes only: a draft of meta tensors has it too."""

@@ -153,8 +153,10 @@ def test_save_draft_writes_once_into_tier1_and_hands_out_that_file(tmp_path):
     state = BaseState(50, 50, torch.randn(n), torch.randn(n), torch.rand(n), {}, None, {"consumed_samples": 50})
     tier = NodeMemory(str(tmp_path), JOB, "node0")
     payload = tier.save_draft(draft_base(state, job_id=JOB, layout=layout(1)))
-    # The same bytes as serializing to memory, stamped and complete on Tier-1, mapped from its file.
-    assert bytes(payload.data) == encode_base(state, job_id=JOB, layout=layout(1)).data
+    # The same bytes as serializing to memory, stamped and complete on Tier-1, mapped from its file; the stamp,
+    # hashed from the pieces as they were written, is the one of the joined bytes.
+    joined = encode_base(state, job_id=JOB, layout=layout(1))
+    assert bytes(payload.data) == joined.data and payload.stamp == joined.stamp
     assert tier.list() == [payload.stamp]
     assert tier.load(1, PayloadId.base(50)).data == bytes(payload.data)
     assert payload.source is not None and os.fstat(payload.source.fileno()).st_size == payload.stamp.size
