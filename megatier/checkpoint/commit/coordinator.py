@@ -15,7 +15,10 @@ uploader nudges the thread after each of its markers, naming the unit
 Otherwise it sleeps until the next nudge or a higher watermark: a poll lists
 the whole job (0.6-0.8 ms of CPU per poll for the demo model on a 2-core box,
 at 0.8 polls per step when it also polled every second and at every
-watermark sync).
+watermark sync). Nor does a poll list the whole job: it lists the unit
+folders and then only the units not yet known committed (a committed unit
+changes only when this thread reclaims it), so a poll reads a few directories
+however many units Tier-3 keeps.
 """
 from __future__ import annotations
 
@@ -25,7 +28,14 @@ import time
 from typing import Optional
 
 from megatier.checkpoint.commit.committer import Committer
-from megatier.checkpoint.commit.records import delete_unit, list_units, set_aside_units
+from megatier.checkpoint.commit.records import (
+    UnitListing,
+    delete_unit,
+    list_unit,
+    list_units,
+    set_aside_units,
+    unit_ids,
+)
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
@@ -71,6 +81,7 @@ class Coordinator:
         self._watermark: Optional[int] = None
         self._reclaimed_at: Optional[int] = None
         self._awaited: set[PayloadId] = set()  # nudged units not yet committed: poll every poll_s until they are
+        self._committed: dict[PayloadId, UnitListing] = {}  # units seen committed, not listed again
         self._failed = False  # the last poll failed: poll again every poll_s
         self.last_error: Optional[str] = None
         self._reported_at = 0.0
@@ -118,11 +129,22 @@ class Coordinator:
 
     # ---- the thread ---------------------------------------------------------------------------
 
+    def _units(self) -> dict[PayloadId, UnitListing]:
+        """Every unit on Tier-3 with its listing: those known committed from memory, the rest listed now. A unit
+        this rank's uploader marked again (a repair after a quarantine) is listed again too."""
+        present = unit_ids(self.store)
+        with self._lock:
+            fresh = set(self._awaited)
+        self._committed = {pid: u for pid, u in self._committed.items() if pid in present and pid not in fresh}
+        return {pid: known if (known := self._committed.get(pid)) is not None else list_unit(self.store, pid)
+                for pid in present}
+
     def poll_once(self) -> None:
         """One round: learn what is committed, commit what is complete, reclaim if the watermark moved."""
-        units = list_units(self.store)
+        units = self._units()
         for record in self._committer.commit_pending(self.world_size, units):
             self.fault_hook(CrashPoint.T3_AFTER_COMMIT, record.pid.version)
+        self._committed.update((pid, u) for pid, u in units.items() if u.committed)
         bases = {p.version for p, u in units.items() if u.committed and p.kind == BASE}
         diffs = {p for p, u in units.items() if u.committed and p.kind != BASE}
         with self._lock:

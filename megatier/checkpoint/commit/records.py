@@ -34,7 +34,7 @@ import re
 from dataclasses import dataclass, field
 
 from megatier.checkpoint.format.payload import FORMAT, JsonRecord, PayloadError, Stamp
-from megatier.checkpoint.format.units import PayloadId, rank_name
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId, rank_name
 from megatier.checkpoint.tiers.store import ObjectStore
 
 COMMITTED = "_COMMITTED"
@@ -133,10 +133,10 @@ class UnitListing:
     objects: dict[str, int] = field(default_factory=dict)  # every key of the unit -> size
 
 
-def list_units(store: ObjectStore) -> dict[PayloadId, UnitListing]:
-    """Group the job's Tier-3 keys by unit (one listing call); keys outside the layout are ignored."""
+def _group_units(listing: dict[str, int]) -> dict[PayloadId, UnitListing]:
+    """Keys and sizes grouped by the unit directory holding them; keys outside the layout are ignored."""
     units: dict[PayloadId, UnitListing] = {}
-    for key, size in store.list("").items():
+    for key, size in listing.items():
         head, _, name = key.rpartition("/")
         pid = PayloadId.from_dirname(head)
         if pid is None:
@@ -148,6 +148,22 @@ def list_units(store: ObjectStore) -> dict[PayloadId, UnitListing]:
         elif (m := _MARKER.match(name)) is not None:
             unit.markers.append(int(m.group(1)))
     return units
+
+
+def list_units(store: ObjectStore) -> dict[PayloadId, UnitListing]:
+    """Group the job's Tier-3 keys by unit (one listing of the whole job)."""
+    return _group_units(store.list(""))
+
+
+def unit_ids(store: ObjectStore) -> set[PayloadId]:
+    """The units with a directory on Tier-3 (complete or not), from a listing of the two unit folders alone."""
+    return {pid for kind in (BASE, DIFF) for name in store.children(f"{kind}/")
+            if (pid := PayloadId.from_dirname(f"{kind}/{name}")) is not None}
+
+
+def list_unit(store: ObjectStore, pid: PayloadId) -> UnitListing:
+    """One unit's objects (an empty listing if it has none)."""
+    return _group_units(store.list(f"{pid.dirname}/")).get(pid, UnitListing())
 
 
 def _deletion_order(key: str) -> tuple[int, str]:

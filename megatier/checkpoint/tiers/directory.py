@@ -244,6 +244,14 @@ class DirectoryStore(ObjectStore):
         self._list_into(self._path(base) if base else self.root, f"{base}/" if base else "", prefix, out)
         return out
 
+    def children(self, prefix: str) -> set[str]:
+        """Subdirectories of ``prefix``'s directory: one scandir, not a walk of everything below."""
+        try:
+            with os.scandir(self._path(prefix.rstrip("/"))) as entries:
+                return {e.name for e in entries if e.is_dir(follow_symlinks=False)}
+        except OSError:  # no such directory (nothing stored under it) or not a directory
+            return set()
+
     def _list_into(self, directory: str, rel: str, prefix: str, out: dict[str, int]) -> None:
         try:
             entries = os.scandir(directory)

@@ -178,6 +178,15 @@ class S3Store(ObjectStore):
             return out
         return self._call("listing", prefix, listing)
 
+    def children(self, prefix: str) -> set[str]:
+        """One delimited listing: the common prefixes one level below ``prefix``."""
+        def listing() -> set[str]:
+            start = self.prefix + prefix
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=start,
+                                                                          Delimiter="/")
+            return {p["Prefix"][len(start):].rstrip("/") for page in pages for p in page.get("CommonPrefixes", [])}
+        return self._call("listing", prefix, listing)
+
     def delete(self, key: str) -> None:
         full = self._key(key)
         self._call("deleting", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=full))

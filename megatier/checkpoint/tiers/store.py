@@ -9,6 +9,9 @@ Guarantees every implementation gives:
   one key exactly one gets True and its bytes are the object's.
 - ``delete`` of a missing key is not an error.
 - ``list(prefix)`` returns every complete object whose key starts with prefix.
+- ``children(prefix)`` (``prefix`` ending in '/') returns the names one level
+  below it that hold keys: ``{"v1"}`` for ``base/v1/a`` under ``base/``. It may
+  also name one whose only content is a write in progress.
 """
 from __future__ import annotations
 
@@ -80,6 +83,11 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> dict[str, int]:
         """Every complete object whose key starts with ``prefix``, mapped to its size in bytes."""
+
+    def children(self, prefix: str) -> set[str]:
+        """The names one level below ``prefix`` (which ends in '/') that hold keys; from :meth:`list` here,
+        a listing of that one level where the store has one."""
+        return {key[len(prefix):].split("/", 1)[0] for key in self.list(prefix) if "/" in key[len(prefix):]}
 
     @abc.abstractmethod
     def delete(self, key: str) -> None:

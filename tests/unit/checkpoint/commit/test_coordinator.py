@@ -57,16 +57,16 @@ def test_reclaims_only_behind_the_published_watermark(tmp_path, upload_all):
 
 
 class CountingStore(DirectoryStore):
-    """A directory store that counts whole-job listings (one per coordinator poll)."""
+    """A directory store that counts listings of the base folder (one per coordinator poll)."""
 
     def __init__(self, root: str):
         super().__init__(root)
         self.listings = 0
 
-    def list(self, prefix=""):
-        if prefix == "":
+    def children(self, prefix):
+        if prefix == "base/":
             self.listings += 1
-        return super().list(prefix)
+        return super().children(prefix)
 
 
 def test_polls_only_while_a_nudged_unit_waits_for_markers(tmp_path, upload_all):
@@ -93,3 +93,54 @@ def test_polls_only_while_a_nudged_unit_waits_for_markers(tmp_path, upload_all):
         assert store.listings <= settled + 1  # at most the poll in flight when the unit committed
     finally:
         coord.close(5)
+
+
+class ListingStore(DirectoryStore):
+    """A directory store that records every listing prefix asked for."""
+
+    def __init__(self, root: str):
+        super().__init__(root)
+        self.prefixes: list[str] = []
+
+    def list(self, prefix=""):
+        self.prefixes.append(prefix)
+        return super().list(prefix)
+
+
+def test_a_poll_lists_only_the_units_not_known_committed(tmp_path, upload_all):
+    store = ListingStore(str(tmp_path / "t3"))
+    units = {r: [base(0, r), diff(1, 5, r), diff(6, 10, r)] for r in range(WORLD)}
+    units[3] = units[3][:2]  # rank 3 has not uploaded 6..10 yet
+    for u in upload_all(store, units).values():
+        u.wait(10)
+    coord = Coordinator(store, JOB, WORLD, keep_bases=1, poll_s=30.0)
+    coord.poll_once()
+    assert coord.recovery_point() == 5
+    store.prefixes.clear()
+    coord.poll_once()  # base 0 and 1..5 are known committed: only 6..10 is listed, never the whole job
+    assert store.prefixes == ["diff/v00000006-00000010/"]
+    upload_all(store, {3: [diff(6, 10, 3)]})[3].wait(10)
+    coord.poll_once()
+    assert coord.recovery_point() == 10
+    store.prefixes.clear()
+    coord.poll_once()
+    assert store.prefixes == []
+    # A unit removed behind its back (here: by hand) is forgotten; the store's own listing agrees.
+    for key in list_units(store)[PayloadId.diff(6, 10)].objects:
+        store.delete(key)
+    coord.poll_once()
+    assert coord.recovery_point() == 5
+
+
+def test_the_unit_folders_of_a_store_are_listed_one_level_deep(tmp_path):
+    from megatier.checkpoint.commit.records import unit_ids
+    from megatier.checkpoint.tiers.store import ObjectStore
+
+    store = DirectoryStore(str(tmp_path / "t3"))
+    for key in ("base/v00000000/a", "diff/v00000001-00000005/rank00000.done.json", "diff/v00000006-00000010/x/y",
+                "fingerprints/f.json", "_quarantine/base/v00000000/t/a"):
+        store.put(key, b"1")
+    assert store.children("diff/") == {"v00000001-00000005", "v00000006-00000010"}
+    assert store.children("nothing/") == set()
+    assert ObjectStore.children(store, "diff/") == store.children("diff/")  # the contract's own listing
+    assert unit_ids(store) == {PayloadId.base(0), PayloadId.diff(1, 5), PayloadId.diff(6, 10)}

@@ -38,11 +38,15 @@ def test_put_get_list_delete(remote_store):
     assert store.list("base/") == {"base/v00000050/a.bin": 11, "base/v00000100/b.bin": 10}
     assert store.list("base/v00000050/a") == {"base/v00000050/a.bin": 11}
     assert set(store.list()) == {"base/v00000050/a.bin", "base/v00000100/b.bin", "diff/v00000046-00000050/c.bin"}
+    assert store.children("base/") == {"v00000050", "v00000100"} and store.children("diff/") == {
+        "v00000046-00000050"}
+    assert store.children("step/") == set()
     store.delete("base/v00000050/a.bin")
     store.delete("base/v00000050/a.bin")  # missing is fine
     with pytest.raises(ObjectNotFound, match="a.bin does not exist"):
         store.get("base/v00000050/a.bin")
     assert "base/v00000050/a.bin" not in store.list()
+    assert store.children("base/") == {"v00000100"}  # an emptied unit folder is gone with its last key
 
 
 def test_put_if_absent_is_a_conditional_create(remote_store):
