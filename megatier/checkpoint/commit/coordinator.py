@@ -12,13 +12,13 @@ rank 0's among them, and this thread runs on global rank 0. So rank 0's
 uploader nudges the thread after each of its markers, naming the unit
 (:meth:`nudge`); a unit found still waiting for other ranks' markers is
 *awaited*, and while any is, the thread also polls every ``poll_s`` seconds.
-Otherwise it sleeps until the next nudge or a higher watermark: a poll lists
-the whole job (0.6-0.8 ms of CPU per poll for the demo model on a 2-core box,
-at 0.8 polls per step when it also polled every second and at every
-watermark sync). Nor does a poll list the whole job: it lists the unit
-folders and then only the units not yet known committed (a committed unit
-changes only when this thread reclaims it), so a poll reads a few directories
-however many units Tier-3 keeps.
+Otherwise it sleeps until the next nudge or a higher watermark. (Polling
+every second and at every watermark sync, 0.8 polls a step for the demo model
+on the 2-core box, took the coordinator 0.6-0.8 ms of CPU per step.)
+
+What a poll reads: the two unit folders one level deep, then only the units
+not yet known committed (a committed unit changes only when this thread
+reclaims it), not every object of the job, however many units Tier-3 keeps.
 """
 from __future__ import annotations
 
