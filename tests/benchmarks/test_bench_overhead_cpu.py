@@ -89,6 +89,32 @@ def test_cpu_split_subtracts_helpers_and_hook_from_the_process():
     assert s["ckpt_cpu_pct"] == pytest.approx(100.0 * 0.08 / 0.92)
 
 
+class _Trainer:
+    """Three steps of 50 ms of training CPU, each followed by the checkpointer's hook."""
+
+    def __init__(self, checkpointer):
+        self.checkpointer = checkpointer
+
+    def train_step(self, step):
+        _burn(0.05)
+        return {"step": step}
+
+    def train(self):
+        for step in (1, 2, 3):
+            self.train_step(step)
+            assert self.checkpointer.after_step(step) == {"ckpt": step}
+
+
+def _measure(checkpointer) -> dict:
+    """The CPU split of steps 2 and 3 of a _Trainer with ``checkpointer``."""
+    with ct.HelperThreads() as helpers:
+        trainer = _Trainer(checkpointer)
+        meter = ct.CpuMeter(helpers, warmup=1)
+        meter.instrument(trainer)
+        trainer.train()
+        return meter.finish(steps=2)
+
+
 def test_cpu_meter_splits_a_loop_with_a_hook_and_a_helper():
     class Checkpointer:
         def after_step(self, step):
@@ -98,25 +124,7 @@ def test_cpu_meter_splits_a_loop_with_a_hook_and_a_helper():
             worker.join()  # the loop waits for a helper: its CPU is the helper's, not the hook's
             return {"ckpt": step}
 
-    class Trainer:
-        def __init__(self):
-            self.checkpointer = Checkpointer()
-
-        def train_step(self, step):
-            _burn(0.05)
-            return {"step": step}
-
-        def train(self):
-            for step in (1, 2, 3):
-                self.train_step(step)
-                assert self.checkpointer.after_step(step) == {"ckpt": step}
-
-    with ct.HelperThreads() as helpers:
-        trainer = Trainer()
-        meter = ct.CpuMeter(helpers, warmup=1)
-        meter.instrument(trainer)
-        trainer.train()
-        s = meter.finish(steps=2)
+    s = _measure(Checkpointer())
     assert s["helper_cpu_ms"] == pytest.approx(30.0, abs=8.0)
     assert s["hook_cpu_ms"] == pytest.approx(20.0, abs=8.0)
     assert s["train_cpu_ms"] == pytest.approx(50.0, abs=10.0)
@@ -189,28 +197,10 @@ def test_cpu_meter_counts_the_loops_other_threads_in_the_hook_but_not_helpers():
             go.set()
             done.wait(10)  # the loop waits for its team member: its CPU is the hook's
             done.clear()
-            return {}
-
-    class Trainer:
-        def __init__(self):
-            self.checkpointer = Checkpointer()
-
-        def train_step(self, step):
-            _burn(0.05)
-            return {}
-
-        def train(self):
-            for step in (1, 2, 3):
-                self.train_step(step)
-                self.checkpointer.after_step(step)
+            return {"ckpt": step}
 
     try:
-        with ct.HelperThreads() as helpers:
-            trainer = Trainer()
-            meter = ct.CpuMeter(helpers, warmup=1)
-            meter.instrument(trainer)
-            trainer.train()
-            s = meter.finish(steps=2)
+        s = _measure(Checkpointer())
     finally:
         stop.set()
         member.join()
