@@ -57,10 +57,15 @@ class DurableCadence(Tier):
         self.label, self.scope, self.lockstep, self.takes_steps = tier.label, tier.scope, False, tier.takes_steps
         self.base_interval, self.base_every, self.anchor = base_interval, base_every, anchor
         self.skipped: list[int] = []  # versions of the bases kept from Tier-3 (Tier-1/Tier-2 have them)
+        self._always: set[int] = set()  # versions uploaded whatever the cadence says (the final base)
+
+    def upload_always(self, version: int) -> None:
+        self._always.add(version)
 
     def put(self, payload: EncodedPayload) -> None:
         pid = payload.stamp.pid
-        if pid.kind == BASE and not uploads_base(pid.version, self.anchor(), self.base_interval, self.base_every):
+        if (pid.kind == BASE and pid.version not in self._always
+                and not uploads_base(pid.version, self.anchor(), self.base_interval, self.base_every)):
             self.skipped.append(pid.version)
             return
         self.tier.put(payload)

@@ -47,6 +47,7 @@ class TrainState:
     optimizer: Any  # DistributedAdamW
     global_batch_size: int
     fingerprint: dict = field(default_factory=dict)  # megatier.config.fingerprint.state_fingerprint
+    followed: tuple[str, ...] = ()  # fingerprint keys taken from the job's record (fingerprint.followed_keys)
 
 
 CheckpointerFactory = Callable[[TrainState], Checkpointer]
@@ -57,5 +58,5 @@ def build_checkpointer(cfg: CheckpointConfig, state: TrainState, *, timeout_s: f
                        ) -> CheckpointManager:
     """The tiered checkpointer of ``cfg`` for this rank (collective: every rank calls it); see build_context."""
     ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store,
-                        fingerprint=state.fingerprint)
+                        fingerprint=state.fingerprint, followed=state.followed)
     return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size), model=state.model)

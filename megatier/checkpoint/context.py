@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatier.checkpoint.auto_interval import initial_interval
 from megatier.checkpoint.comm import CheckpointComm, GroupComm
 from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
+from megatier.checkpoint.tiers.adoption import adopt_orphans
 from megatier.checkpoint.tiers.base import Tier
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
@@ -52,6 +53,7 @@ class CheckpointContext:
     fault: FaultHook = no_faults
     timeout_s: float = 600.0
     fingerprint: dict = field(default_factory=dict)  # megatier.config.fingerprint.state_fingerprint of the run
+    followed: tuple[str, ...] = ()  # fingerprint keys a restore takes from the job's record (followed_keys)
     fingerprint_id: str = field(init=False)
     job_id: str = field(init=False)
     rank: int = field(init=False)
@@ -59,6 +61,11 @@ class CheckpointContext:
 
     def __post_init__(self) -> None:
         self.job_id, self.rank, self.world_size = self.cfg.job_id, self.layout.rank, self.layout.world_size
+        self.fingerprint_id = fingerprint_hash(self.fingerprint)
+
+    def adopt(self, values: dict[str, str]) -> None:
+        """Take the job's recorded values of followed keys into the run's fingerprint (after a restore)."""
+        self.fingerprint.update(values)
         self.fingerprint_id = fingerprint_hash(self.fingerprint)
 
     def close(self, timeout: float = 5.0) -> None:
@@ -91,7 +98,8 @@ def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig,
 
 
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
-                  remote_store: Optional[ObjectStore] = None, fingerprint: Optional[dict] = None) -> CheckpointContext:
+                  remote_store: Optional[ObjectStore] = None, fingerprint: Optional[dict] = None,
+                  followed: tuple[str, ...] = ()) -> CheckpointContext:
     """Open the tiers of ``cfg`` (already validated and made effective for this topology) on every rank.
 
     ``ps`` is the job's ParallelState. Unreachable or unwritable tiers fail here,
@@ -111,11 +119,13 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     incarnation, lease = _start_remote(store, cfg, comm)
     tiers: list[Tier] = []
     if "local" in cfg.tiers:
-        memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
         lists = ps.local_rank == 0  # reclaims what ranks of an older layout or ring left on this node
+        elsewhere = adopt_orphans(comm, cfg.local.root, cfg.job_id, ps.node_name, ps.node_names or (ps.node_name,),
+                                  server=lists)
+        memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
         tiers.append(LocalTier(memory, ps.rank, keep_bases=cfg.local.keep_bases,
                                budget_bytes=int(cfg.local.budget_gib * (1 << 30)), fault=fault,
-                               world_size=ps.world_size if lists else None))
+                               world_size=ps.world_size if lists else None, other_names=elsewhere))
         if ps.replica_holder_rank is None or "peer" not in cfg.tiers:
             tiers.append(ReplicaArea(memory, lists=lists, fault=fault))  # what an earlier ring left here
         else:
@@ -129,4 +139,5 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
         tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
                                 incarnation=incarnation, keep_bases=cfg.remote.keep_bases,
                                 drain_timeout_s=cfg.remote.drain_timeout_s, lease=lease, fault=fault))
-    return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s, dict(fingerprint or {}))
+    return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s, dict(fingerprint or {}),
+                             tuple(followed))

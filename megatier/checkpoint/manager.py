@@ -37,6 +37,7 @@ or when payloads awaiting transfer exceed ``memory_budget_gib``; all of that is
 """
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Optional, Union
@@ -117,6 +118,7 @@ class CheckpointManager:
         self.shard = shard
         self.anchor = 0
         self._step = 0
+        self._last_base: Optional[int] = None  # the version of the newest base handed to the save thread
         # Units finished at the previous step, for the lockstep tiers: the save thread's (by id) or the loop's own.
         self._handoff: list[Union[PayloadId, EncodedPayload]] = []
         saving = [t for t in ctx.tiers if t.saves]
@@ -153,6 +155,8 @@ class CheckpointManager:
             self.ctx.close()  # this launch will write nothing: stop the tiers, give up the Tier-3 lease
             raise
         start, record = (result.end, result.record) if result is not None else (0, None)
+        if result is not None and result.adopted:
+            self._follow_job(result.adopted)
         for tier in self.ctx.tiers:
             tier.record_config(self.ctx.fingerprint_id, self.ctx.fingerprint)
             tier.start()
@@ -167,8 +171,16 @@ class CheckpointManager:
         if self._auto is not None:
             self._auto.anchor_capture_s = time.perf_counter() - started
         self._handoff = [PayloadId.base(start)]
-        self._step = start
+        self._step = self._last_base = start
         return start, record
+
+    def _follow_job(self, recorded: dict[str, str]) -> None:
+        """Take the job's recorded values of the keys this launch left unset (the LR decay horizon): into the
+        optimizer's schedule and into the fingerprint its new units carry."""
+        self.ctx.adopt(recorded)
+        self.worker.fingerprint = self.ctx.fingerprint_id
+        if "optim.decay_iters" in recorded:
+            self.shard.set_decay_iters(int(json.loads(recorded["optim.decay_iters"])))
 
     def _repair(self, quarantined: list[str]) -> None:
         """Offer every tier this rank's surviving copy of each unit restore quarantined (a tier that set one
@@ -254,6 +266,7 @@ class CheckpointManager:
         parked: see :meth:`after_step`)."""
         if base is not None:
             self._handoff.append(PayloadId.base(base.version))
+            self._last_base = base.version
         self._hand_over(handoff)
         clock.lap("handover")
         # The helper threads are woken last (the replicator, the save thread, the capture's copier, the sync's
@@ -411,9 +424,11 @@ class CheckpointManager:
         self._absorb_syncs(block=True)  # before any other collective of the comm
         base = self.capture.flush()
         if base is not None:
-            self.worker.submit_base(base)
-            self._handoff.append(PayloadId.base(base.version))
+            self._submit_base(base)
         self.capture.close()
+        self._close_open_batch()
+        if self.cfg.final_base and self._step > self.anchor and self._last_base != self._step:
+            self._submit_base(self.shard.capture_base(self._step), final=True)
         self.worker.flush(timeout)
         # Same step on every rank, so the ring's final transfers pair up.
         self._hand_over(self._handoff)
@@ -427,11 +442,28 @@ class CheckpointManager:
             tier.close(timeout)
         return self._final_status()
 
+    def _submit_base(self, base, *, final: bool = False) -> None:
+        """At exit: hand a base to the save thread, and to the lockstep tiers with the last hand-over; a
+        ``final`` one goes to Tier-3 whatever ``remote.base_every`` skips, so the last step is exact there too."""
+        if final:
+            for tier in self.worker.tiers:
+                tier.upload_always(base.version)
+        self.worker.submit_base(base)
+        self._handoff.append(PayloadId.base(base.version))
+        self._last_base = base.version
+
+    def _close_open_batch(self) -> None:
+        """At exit: the steps of the open diff batch become a (shorter) batch of their own, so every tier,
+        Tier-3 included, ends at the last step rather than at the last full batch."""
+        open_steps = (self._step - self.anchor) % self.cfg.diff.batch
+        if open_steps:
+            self.worker.submit_close_batch()
+            self._handoff.append(PayloadId.diff(self._step - open_steps + 1, self._step))
+
     def _final_status(self) -> dict:
         """Where the run's checkpoints stand at exit; the same on every rank (one gather)."""
         tiers = {t.label: t for t in self.ctx.tiers}
-        batch = self.cfg.diff.batch
-        saved = self.anchor + (self._step - self.anchor) // batch * batch  # the newest unit every rank closed
+        saved = self._step  # close() ended the open batch at the last step
         rack = tiers[TIER3].point() if TIER3 in tiers else None
         rows = self.ctx.comm.gather({"behind": sum(t.behind() for t in self.ctx.tiers), "rack": rack},
                                     what="the final checkpoint status")

@@ -13,6 +13,7 @@ count is recorded per step.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -159,6 +160,10 @@ class ShardAccess:
         self.optimizer.lr_scale = base.lr_scale
         self.set_grad_sumsq(base.grad_sumsq)
         self.inexact_since = base.inexact_since
+
+    def set_decay_iters(self, steps: int) -> None:
+        """The LR schedule's decay horizon (a relaunch follows the job's recorded one)."""
+        self.optimizer.schedule = dataclasses.replace(self.optimizer.schedule, decay_iters=steps)
 
     def load_state(self, tensors: dict[str, torch.Tensor], adam_steps: int, loss_scaler: Optional[dict],
                    what: str) -> None:

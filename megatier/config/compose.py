@@ -1,13 +1,22 @@
-"""Composing the run's config the way ``pretrain_gpt.py`` does, for scripts and tests."""
+"""Composing the run's config from the YAML groups and Hydra overrides: the trainer's and every script's.
+
+    cfg = compose_config(["model=tiny", "train.iters=20"])
+
+Overrides use Hydra's grammar (``key=value``, ``group=option``, ``+key=value``, ``~key``). Every problem is one
+:class:`ConfigError` line: an unknown key (checked first, with or without ``+``: :mod:`.keys`), a missing
+option of a group, a value of the wrong type.
+"""
 from __future__ import annotations
 
 import os
+from importlib import resources
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from megatier.config.schema import Config
+from megatier.config.keys import check_override_keys
+from megatier.config.schema import Config, ConfigError
 
 
 def register_configs() -> None:
@@ -16,20 +25,54 @@ def register_configs() -> None:
     cs.store(name="megatier_schema", node=Config)
 
 
+def config_dir() -> str:
+    """The config groups: the package's copy (an installed wheel carries configs/ as ``megatier.configs``),
+    else configs/ beside the package in a source tree."""
+    try:
+        packaged = resources.files("megatier.configs")
+        if packaged.is_dir() and packaged.joinpath("config.yaml").is_file():
+            return str(packaged)
+    except ModuleNotFoundError:
+        pass
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
+
+
+def config_groups(directory: Optional[str] = None) -> set[str]:
+    """The group names (sub-directories of the config directory: model, parallel, ...)."""
+    directory = directory or config_dir()
+    return {n for n in os.listdir(directory) if os.path.isdir(os.path.join(directory, n)) and not n.startswith("_")}
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """A script's own arguments and the Hydra overrides after ``--`` (scripts that run pretrain_gpt jobs)."""
+    """A script's own arguments and the Hydra overrides after ``--`` (scripts that run training jobs)."""
     if "--" not in argv:
         return list(argv), []
     i = argv.index("--")
     return list(argv[:i]), list(argv[i + 1:])
 
 
-def compose_config(overrides: list[str], config_dir: Optional[str] = None) -> Config:
-    """The Config ``pretrain_gpt.py <overrides>`` would run with, for scripts that drive or measure it."""
-    from hydra import compose, initialize_config_dir
+def _one_line(error: BaseException) -> str:
+    """Hydra's and OmegaConf's multi-line messages as one line: the message, then what caused it (the bad
+    value's own message), without Hydra's search path."""
+    parts = [str(error).split("Config search path")[0]]
+    cause = error.__cause__ or error.__context__
+    if cause is not None:
+        parts.append(str(cause).split("\n")[0])
+    text = ": ".join(" ".join(p.replace("\t", " ").split()) for p in parts if p.strip())
+    return text.replace("In 'config': ", "")
 
+
+def compose_config(overrides: list[str], directory: Optional[str] = None) -> Config:
+    """The Config of ``overrides``; ConfigError (one line) for anything that does not compose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    directory = directory or config_dir()
+    check_override_keys(list(overrides), config_groups(directory))
     register_configs()
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    config_dir = config_dir or os.path.join(repo, "configs")
-    with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+    try:
+        with initialize_config_dir(config_dir=directory, version_base="1.3"):
+            return OmegaConf.to_object(compose(config_name="config", overrides=list(overrides)))
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ConfigError(_one_line(e)) from None

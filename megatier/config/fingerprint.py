@@ -8,7 +8,8 @@ restore refuses units whose fingerprint differs, naming the keys that differ
 such as ``optim.lr``).
 
 Included: every model and optimizer setting (the LR schedule's decay horizon
-resolved, since it defaults to ``train.iters``), the tp/pp layout, the data
+resolved, since it defaults to ``train.iters``; left unset, a relaunch follows
+the horizon recorded with the job: :func:`followed_keys`), the tp/pp layout, the data
 window (sequence length, split, sampler seed) and the checksum of the token
 file, the batch sizes, seed and precision. Not included: ``train.iters`` (a
 resumed run may train longer), evaluation, logging, devices, threads, paths
@@ -47,6 +48,13 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
     for key in ("model.impl", "model.layernorm_impl", "optim.grad_norm_impl"):
         fp.pop(key)  # which library computes the same function: a relaunch may switch it
     return fp
+
+
+def followed_keys(cfg: Config) -> tuple[str, ...]:
+    """Fingerprint keys this launch takes from the job's record instead of comparing: an unset
+    ``optim.decay_iters`` follows the horizon the job's first launch resolved (its ``train.iters`` then), so a
+    relaunch with more ``train.iters`` trains longer on the same schedule; set it to change the schedule."""
+    return ("optim.decay_iters",) if cfg.optim.decay_iters is None else ()
 
 
 def fingerprint_hash(fp: dict[str, str]) -> str:

@@ -239,6 +239,9 @@ class CheckpointConfig:
     # "checkfree": rebuild it from its neighbours and go on at their recovery point (inexact; see checkfree).
     last_resort: str = "stop"
     checkfree: CheckFreeConfig = field(default_factory=CheckFreeConfig)
+    # At exit, also write a base of the last step (to every tier, Tier-3 included): the final state is then a
+    # base, exact to export and to resume, not only the replay of lossy diffs.
+    final_base: bool = True
     # Config keys a relaunch may change and still resume this job's checkpoints (e.g. [optim.lr]);
     # ["*"] accepts any change. Others are refused, naming the keys (megatier.config.fingerprint).
     allow_changes: list[str] = field(default_factory=list)

@@ -153,6 +153,13 @@ class GoodputLedger:
                             "from this launch", path, e, path)
         return cls(path, job_id, fingerprint, started=started, prior=prior, clock=clock)
 
+    @property
+    def continues_clean_exit(self) -> bool:
+        """Whether the job's previous launch ended cleanly: a launch restoring after it continues the job (to
+        train longer, or a job already finished), no failure is behind it."""
+        p = self.prior
+        return p is not None and p.closed and p.job_id == self.job_id
+
     # ---- a launch ------------------------------------------------------------------------------
 
     def resume(self, start_step: int, recovery: Optional[dict] = None) -> None:
@@ -286,6 +293,8 @@ class GoodputLedger:
 
 class NullLedger:
     """What ranks other than the metrics writer hold: every call is a no-op."""
+
+    continues_clean_exit = False
 
     def resume(self, start_step: int, recovery: Optional[dict] = None) -> None:
         pass

@@ -2,10 +2,13 @@
 
 Rank order (the one formula) is in :mod:`megatier.parallel.layout`.
 
-Nodes are identified by name (MEGATIER_NODE_NAME for simulated nodes, else
-node<GROUP_RANK> from torchrun, else the hostname) and indexed in natural name
-order, so node{i} has index i and the Tier-2 ring node n -> node n+1 does not
-depend on which global ranks a rendezvous handed each node.
+Nodes are identified by name: the hostname, unless MEGATIER_NODE_NAME sets it
+(the simulated cluster names its nodes node0, node1, ...). Every launcher gives
+the same name, so a relaunch through another launcher finds its node memory;
+torchrun's GROUP_RANK is not used, since c10d may hand it to another node at
+each rendezvous. Nodes are indexed in natural name order, so node{i} has index i
+and the Tier-2 ring node n -> node n+1 does not depend on which global ranks a
+rendezvous handed each node.
 """
 from __future__ import annotations
 
@@ -38,14 +41,10 @@ def init_process_group(backend: str, timeout_s: float) -> None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def _node_identity() -> tuple[str, int]:
-    """This process's node name and local rank (MEGATIER_NODE_NAME overrides for simulated nodes)."""
+def node_identity() -> tuple[str, int]:
+    """This process's node name (MEGATIER_NODE_NAME, else the hostname) and local rank."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    name = os.environ.get("MEGATIER_NODE_NAME")
-    if not name:
-        group_rank = os.environ.get("GROUP_RANK")
-        name = f"node{group_rank}" if group_rank is not None else socket.gethostname()
-    return name, local_rank
+    return os.environ.get("MEGATIER_NODE_NAME") or socket.gethostname(), local_rank
 
 
 @dataclass(frozen=True)
@@ -70,6 +69,7 @@ class ParallelState(Layout):
     # Gloo group over all ranks reserved for checkpoint traffic, so it never queues behind training collectives.
     checkpoint_group: dist.ProcessGroup = field(repr=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    node_names: tuple[str, ...] = ()  # every node of the job, in ring order
 
     @property
     def is_first_stage(self) -> bool:
@@ -154,7 +154,7 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
     checkpoint_group = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
 
     identities: list = [None] * world_size
-    dist.all_gather_object(identities, _node_identity(), group=checkpoint_group)
+    dist.all_gather_object(identities, node_identity(), group=checkpoint_group)
     nodes, holder, owner = _ring_peers(rank, identities)
     node_name, local_rank = identities[rank]
     return ParallelState(
@@ -163,5 +163,5 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
         node_name=node_name, node_index=nodes.index(node_name), num_nodes=len(nodes), local_rank=local_rank,
         replica_holder_rank=holder, replica_owner_rank=owner,
         tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, embedding_group=embedding_group,
-        world_group=world_group, checkpoint_group=checkpoint_group, device=device,
+        world_group=world_group, checkpoint_group=checkpoint_group, device=device, node_names=tuple(nodes),
     )

@@ -17,6 +17,7 @@ when ``checkpoint.enabled``. The overhead benchmark injects its baselines.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Optional
@@ -26,8 +27,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
-from megatier.config import Config, effective_checkpoint_config, validate
-from megatier.config.fingerprint import fingerprint_hash, state_fingerprint
+from megatier.config import Config, ConfigError, effective_checkpoint_config, validate
+from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
@@ -49,6 +50,9 @@ from megatier.parallel.route_schedule import checkfree_plus_routes, forward_back
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 from megatier.seeding import derive_seed
+from megatier.training.interrupt import StopRequest
+
+log = logging.getLogger(__name__)
 
 # fp8: Transformer Engine's GEMMs in fp8 under GPTStage's autocast; parameters and activations in bf16.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -57,14 +61,18 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 def _pick_device(name: str) -> torch.device:
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device=cuda but CUDA is not available; use train.device=cpu")
+            raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
 
 class Trainer:
-    def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None):
+    def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None,
+                 stop: Optional[StopRequest] = None):
         self.cfg = cfg
+        self.stop = stop or StopRequest()  # Ctrl-C: stop after the step in flight (megatier.training.interrupt)
+        self.interrupted_at: Optional[int] = None  # the step a stop request ended the loop after
+        self.already_finished = False  # restore found the job at or past train.iters
         started = time.time()  # the launch holds its machines from here on (goodput's wall time)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size)  # every group, before any side effect
@@ -121,7 +129,7 @@ class Trainer:
         m, ps = self.cfg.model, self.ps
         vocab = m.vocab_size or self.dataset_meta["vocab_size"]
         if vocab < self.dataset_meta["vocab_size"]:
-            raise ValueError(f"model.vocab_size={vocab} is smaller than the dataset's vocabulary "
+            raise ConfigError(f"model.vocab_size={vocab} is smaller than the dataset's vocabulary "
                              f"({self.dataset_meta['vocab_size']}); unset model.vocab_size to take it from the data")
         self.vocab_size = vocab  # the true vocabulary; the model pads its rows (padded logits are -inf)
         spec = stage_spec(m, tp=ps.tp, pp=ps.pp, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
@@ -132,6 +140,9 @@ class Trainer:
         init_weights(model, self.cfg.train.seed)
         if m.init_from is not None:  # fine-tuning: before flattening, so the fp32 master comes from it
             load_full_state(model, load_gpt2(m.init_from, m, vocab))
+            if ps.rank == 0:
+                log.info("model.init_from: initialised the %s model from the Hugging Face GPT-2 at %s "
+                         "(a restored checkpoint replaces it)", m.name, m.init_from)
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
         shared = copies_among(name for name, _ in self.model.named_parameters())
         self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, shared_copies=shared)
@@ -153,7 +164,7 @@ class Trainer:
 
     def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
         state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size,
-                           state_fingerprint(self.cfg, self.data_checksum))
+                           state_fingerprint(self.cfg, self.data_checksum), followed_keys(self.cfg))
         if factory is not None:
             return factory(state)
         if not self.cfg.checkpoint.enabled:
@@ -196,13 +207,16 @@ class Trainer:
                                            loss_scale=loss_scale)
         return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale)
 
-    def _global_loss(self, local: torch.Tensor) -> float:
-        """Mean loss over the global batch, known on every rank (computed on the last stage)."""
+    def _global_loss(self, local: torch.Tensor) -> tuple[float, bool]:
+        """Mean loss over the global batch, known on every rank (computed on the last stage), and whether any
+        rank was asked to stop (the flag rides along in the same all-reduce)."""
         counts = self.ps.is_last_stage and self.ps.tp_rank == 0
-        contrib = local.double() / self.ps.dp if counts else torch.zeros((), dtype=torch.float64)
-        contrib = contrib.to(self.device)
-        dist.all_reduce(contrib, group=self.ps.world_group)
-        return float(contrib)
+        contrib = local.double().reshape(()) / self.ps.dp if counts else torch.zeros((), dtype=torch.float64)
+        flag = torch.tensor(1.0 if self.stop.requested else 0.0, dtype=torch.float64)
+        both = torch.stack([contrib.to(self.device), flag.to(self.device)])
+        dist.all_reduce(both, group=self.ps.world_group)
+        loss, stop = both.tolist()
+        return loss, stop > 0
 
     def _sync_copies(self) -> None:
         """Give each copy its source's gradient: the tied embedding's two copies are summed; CheckFree+'s replicas
@@ -225,12 +239,14 @@ class Trainer:
         local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
         self._sync_copies()
         stats = self.optimizer.step(step)
-        loss = self._global_loss(local_loss)
+        loss, stop = self._global_loss(local_loss)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed,
                   "consumed_samples": step * self.cfg.train.global_batch_size, "skipped": stats.skipped}
+        if stop:
+            record["stop_requested"] = True
         if self.optimizer.scaler is not None:
             record["loss_scale"] = stats.loss_scale
         return record
@@ -242,7 +258,7 @@ class Trainer:
             return None
         self.model.eval()
         local = self._forward_backward(batches, loss_scale=1.0, forward_only=True)
-        return self._global_loss(local)
+        return self._global_loss(local)[0]
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -252,18 +268,35 @@ class Trainer:
         record = None
         if self.checkpointer is not None:
             self.step, record = self.checkpointer.restore()
+        if record is not None and self.goodput.continues_clean_exit:
+            record["failure_class"] = "none"  # the previous launch exited cleanly: a continuation, no failure
         if record is not None and record.get("resharded"):
             # The state just moved to another layout: its layout-free fingerprint, to compare with the old run's.
             record["canonical_digest"] = self.canonical_digest()
         if record is not None:
             self.logger.log({"step": self.step, **record})
         self.goodput.resume(self.step, record)
+        self._say_schedule(record)
+
+    def _say_schedule(self, record: Optional[dict]) -> None:
+        """One line, when optim.decay_iters is unset, on the LR schedule this launch follows."""
+        if self.cfg.optim.decay_iters is not None or self.ps.rank != 0:
+            return
+        horizon = self.optimizer.schedule.decay_iters
+        if record is not None and "optim.decay_iters" in (record.get("adopted") or {}):
+            log.info("optim.decay_iters is unset: following the LR schedule of job %r, which decays over %d steps "
+                     "(set at its first launch); set optim.decay_iters to change it", self.cfg.checkpoint.job_id,
+                     horizon)
+        elif self.checkpointer is not None:
+            log.info("optim.decay_iters is unset: the LR decays over train.iters=%d steps; later launches of this "
+                     "job keep that schedule", horizon)
 
     def train(self) -> None:
         t = self.cfg.train
         if self.step == 0:
             self.restore()
-        while self.step < t.iters:
+            self.already_finished = self.step >= t.iters > 0
+        while self.step < t.iters and self.interrupted_at is None:
             step = self.step + 1
             record = self.train_step(step)
             self.step = step
@@ -281,6 +314,8 @@ class Trainer:
             self.logger.progress(step, record["loss"], record["tokens_per_s"])
             self.last_record = record
             self.fault(CrashPoint.TRAIN_STEP_END, step)
+            if record.get("stop_requested"):
+                self.interrupted_at = step
 
     def state_digest(self) -> str:
         """xxh64 over every rank's full training state, combined in rank order."""

@@ -39,7 +39,7 @@ from typing import Iterable, Optional
 
 from megatier.checkpoint.format.chain import chain_to, reachable
 from megatier.checkpoint.format.units import BASE, PayloadId
-from megatier.checkpoint.recover.inventory import RecoveryError
+from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
 from megatier.config.fingerprint import changed_keys
 from megatier.parallel.layout import coordinates_of
@@ -74,12 +74,23 @@ class ConfigCheck:
     current: dict = field(default_factory=dict)
     known: dict[str, dict] = field(default_factory=dict)  # id -> fingerprint, as the tiers recorded them
     allow: tuple[str, ...] = ()  # checkpoint.allow_changes
+    follow: tuple[str, ...] = ()  # keys this run takes from the record (megatier.config.fingerprint.followed_keys)
 
     def blocked(self, fingerprint_id: str) -> list[str]:
         """``key: old -> new`` for each change from ``fingerprint_id`` that this run may not make (the layout
         may always change: restore reshards)."""
         changes = changed_keys(self.known[fingerprint_id], self.current)
-        return [c for c in changes if c.split(":")[0] not in self.allow and not c.startswith(LAYOUT_KEYS)]
+        free = (*self.allow, *self.follow)
+        return [c for c in changes if c.split(":")[0] not in free and not c.startswith(LAYOUT_KEYS)]
+
+    def followed_values(self, consensus: "Consensus") -> dict[str, str]:
+        """The followed keys' values as recorded with the consensus's base (empty when it has no record)."""
+        if not self.follow:
+            return {}
+        base = PayloadId.base(consensus.version)
+        ids = [c.stamp.fingerprint for (_, pid), cs in sorted(consensus.copies.items()) if pid == base for c in cs]
+        record = next((self.known[i] for i in ids if i in self.known), None)
+        return {k: record[k] for k in self.follow if record is not None and k in record}
 
     def refusal(self, fingerprint_id: str) -> Optional[str]:
         """None if units of ``fingerprint_id`` may be resumed, else what is wrong with them."""
@@ -98,25 +109,25 @@ def _foreign_reason(c: Copy, job_id: str, config: ConfigCheck) -> Optional[str]:
     return config.refusal(s.fingerprint)
 
 
-def _refuse_changed_config(foreign: list[tuple[Copy, str]], job_id: str, config: ConfigCheck) -> RecoveryError:
+def _refuse_changed_config(foreign: list[tuple[Copy, str]], job_id: str, config: ConfigCheck) -> ConfigRefusal:
     reasons = sorted({why for _, why in foreign})
     ids = {c.stamp.fingerprint for c, _ in foreign if c.stamp.fingerprint in config.known}
     keys = sorted({change.split(":")[0] for i in ids for change in config.blocked(i)})
     unknown = any(c.stamp.fingerprint not in config.known for c, _ in foreign)
     allow = f"checkpoint.allow_changes=[{','.join(keys)}]" if keys and not unknown else "checkpoint.allow_changes=['*']"
-    return RecoveryError(
+    return ConfigRefusal(
         f"refusing to recover: the checkpoints of job {job_id!r} were written with {' / '.join(reasons)}. Relaunch "
         f"with the configuration they were written with, use a new checkpoint.job_id (or logging.name) for a new "
         f"run, or set {allow} to resume them with these changes")
 
 
-def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, config: ConfigCheck) -> RecoveryError:
+def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, config: ConfigCheck) -> ConfigRefusal:
     others = [(c, why) for c, why in foreign if c.stamp.job_id != job_id]
     if not others:
         return _refuse_changed_config(foreign, job_id, config)
     found = "; ".join(f"job {j!r}" for j in sorted({c.stamp.job_id for c, _ in others}))
     c = others[0][0]
-    return RecoveryError(
+    return ConfigRefusal(
         f"refusing to recover: the only checkpoints found belong to {found} (e.g. {c.pid} of rank {c.owner} in "
         f"{c.describe()}), but this job is {job_id!r}. A checkpoint cannot be loaded into another job: relaunch "
         f"with the job id it was written with, or use a new checkpoint.job_id")

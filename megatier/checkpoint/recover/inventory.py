@@ -22,6 +22,11 @@ class RecoveryError(RuntimeError):
     """Recovery cannot produce a consistent state; raised on every rank with the same message."""
 
 
+class ConfigRefusal(RecoveryError):
+    """The job's checkpoints were written by another configuration or job: the launch's config is refused (the
+    message names what differs and the fix), the checkpoints are left as they are."""
+
+
 def raise_fatal(statuses: list[dict], what: str) -> None:
     """Raise one RecoveryError naming every rank whose status carries a fatal error."""
     fatal = [f"rank {r}: {s['fatal']}" for r, s in enumerate(statuses) if s.get("fatal")]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatier.checkpoint.context import CheckpointContext
@@ -60,6 +60,7 @@ class RecoveryResult:
     version: int
     end: int
     record: dict
+    adopted: dict = field(default_factory=dict)  # followed fingerprint keys -> the job's recorded values
 
 
 def _apply(ctx: CheckpointContext, target, pid: Optional[PayloadId], obj: Any, upto: int) -> Optional[str]:
@@ -144,7 +145,8 @@ def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> 
 
 
 def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: bool) -> Optional[Consensus]:
-    config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes))
+    config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes),
+                         ctx.followed)
     return decide([c for c in inv.copies if c not in bad], job_id=ctx.job_id, degrees=ctx.layout.degrees,
                   traces=inv.traces, allow_fresh_start=allow_fresh_start,
                   looked=inv.looked(), config=config, last_resort=ctx.cfg.last_resort)
@@ -209,4 +211,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
                  record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),
                  record["stale_units_removed"], f"; resharded {record['resharded']}" if resharded else "",
                  f"; CheckFree rebuilt stage(s) {checkfree['stages']} (NOT exact)" if checkfree else "")
-    return RecoveryResult(consensus.version, consensus.end, record)
+    adopted = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, follow=ctx.followed
+                          ).followed_values(consensus)
+    record["adopted"] = adopted
+    return RecoveryResult(consensus.version, consensus.end, record, adopted)

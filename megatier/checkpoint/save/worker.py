@@ -50,7 +50,7 @@ from megatier.parallel.layout import Layout
 
 @dataclass
 class _DiffJob:
-    record: DiffStep
+    record: Optional[DiffStep]  # None: only close the open batch
     close_batch: bool
 
 
@@ -94,6 +94,10 @@ class SaveWorker:
         with self._cv:
             self.diff_bytes += nbytes
         self._put(_DiffJob(record, close_batch), nbytes)
+
+    def submit_close_batch(self) -> None:
+        """Close the open diff batch now (at exit: its steps become a shorter batch); nothing if none is open."""
+        self._put(_DiffJob(None, True), 0)
 
     def submit_base(self, state: Union[BaseState, Reconcile]) -> None:
         """A base to serialize: a snapshot, or a spread capture's parts that this thread reconciles first."""
@@ -198,8 +202,9 @@ class SaveWorker:
         return True
 
     def _diff(self, job: _DiffJob) -> Optional[PayloadDraft]:
-        self._open.append(job.record)
-        if not job.close_batch:
+        if job.record is not None:
+            self._open.append(job.record)
+        if not job.close_batch or not self._open:
             return None
         batch, self._open = self._open, []
         return draft_diff_batch(batch, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)

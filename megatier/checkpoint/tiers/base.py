@@ -176,6 +176,9 @@ class Tier(abc.ABC):
         """Per-step figures of this tier for the metrics record."""
         return {}
 
+    def upload_always(self, version: int) -> None:
+        """Take the base of ``version`` whatever a cadence would skip (the final base at exit)."""
+
     def set_base_interval(self, steps: int) -> None:
         """The steps between bases from now on (base_interval=auto decided it); for tiers that pace by it."""
 

@@ -16,7 +16,7 @@ degraded, and it is tried again with the next unit.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError
@@ -78,8 +78,11 @@ class LocalTier(Tier):
     label, scope, takes_steps = TIER1, NODE, True
 
     def __init__(self, memory: NodeMemory, rank: int, *, keep_bases: int = 2, budget_bytes: int = 0,
-                 fault: FaultHook = no_faults, world_size: Optional[int] = None):
+                 fault: FaultHook = no_faults, world_size: Optional[int] = None, other_names: Sequence[str] = ()):
         self.memory = memory
+        # Node areas of this job under other node names that no node adopted (:mod:`.adoption`): traces of the
+        # job, so a launch that finds nothing else refuses to start fresh over them.
+        self.other_names = tuple(other_names)
         self.rank = rank
         # On the node's lister only: the job's world, whose ranks own areas; areas of ranks beyond it (an older,
         # larger layout's) are reclaimed here.
@@ -122,7 +125,7 @@ class LocalTier(Tier):
         listing = list_area(self.memory, self.label, replica=False)
         listing.progress = self.memory.read_progress()
         listing.fingerprints = self.memory.read_fingerprints()
-        listing.traces = listing.traces or bool(listing.progress)
+        listing.traces = listing.traces or bool(listing.progress) or bool(self.other_names)
         return listing
 
     def read(self, copy: Copy) -> EncodedPayload:

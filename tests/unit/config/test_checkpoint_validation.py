@@ -38,7 +38,7 @@ def test_schema_has_the_documented_keys_and_defaults():
         "local.budget_gib",
         "remote.url", "remote.endpoint_url",
         "remote.keep_bases", "remote.base_every", "remote.fsync", "remote.drain_timeout_s", "remote.lease_s", "job_id",
-        "memory_budget_gib", "allow_fresh_start", "allow_changes", "base_capture", "capture_steps",
+        "memory_budget_gib", "allow_fresh_start", "final_base", "allow_changes", "base_capture", "capture_steps",
         "capture_schedule", "last_resort", "checkfree.lr_scale", "checkfree.init"}
     assert (cfg.base_interval, cfg.diff.batch, cfg.diff.compression, cfg.diff.topk_ratio) == (50, 5, "adaptive", 0.01)
     assert (cfg.diff.small_threshold, cfg.peer.max_chunk_mib, cfg.remote.keep_bases) == (100_000, 256, 2)

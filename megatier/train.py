@@ -1,0 +1,50 @@
+"""Pre-train a GPT with MegaTier: compose config, build, train, close.
+
+    megatier-train model=tiny train.iters=20                    (python pretrain_gpt.py ... is the same)
+    torchrun --nproc-per-node 4 -m megatier.train model=small parallel.tp=2
+
+Arguments are Hydra overrides of the config groups in configs/ (docs/configuration.md). Exit statuses:
+:mod:`megatier.training.outcome`.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Optional
+
+from megatier.config import compose_config
+from megatier.training.interrupt import StopRequest
+from megatier.training.outcome import EXIT_INTERRUPTED, finished, interrupted, is_rank0, refusal, say
+from megatier.training.trainer import Trainer
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(overrides):
+        print(__doc__)
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    stop = StopRequest(announce=is_rank0()).install()
+    trainer = None
+    try:
+        trainer = Trainer(compose_config(overrides), stop=stop)
+        trainer.train()
+        summary = trainer.close()
+    except KeyboardInterrupt:  # a second Ctrl-C: no drain
+        step = trainer.step if trainer is not None else 0
+        say(interrupted(step, None if trainer is None or trainer.checkpointer is None else "the newest checkpoint "
+                        "in node memory (at most the step in flight is lost)"), err=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:
+        refused = refusal(e)
+        if refused is None:
+            raise
+        say(refused[1], err=True)
+        return refused[0]
+    finally:
+        stop.uninstall()
+    return finished(trainer, summary)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

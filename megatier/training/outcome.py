@@ -1,0 +1,82 @@
+"""How a launch ends: its exit status, the one line a refusal prints, and the lines a finished launch prints.
+
+Exit statuses (docs/operations.md):
+
+    0    trained to train.iters (or the job had already finished), every checkpoint durable
+    2    refused: this configuration cannot run (an unknown key or bad value, checkpoints of another
+         configuration or job, an unusable checkpoint.remote.url, a model.init_from that does not fit,
+         another live run of the job)
+    3    trained, but Tier-3 stayed behind: the newest checkpoints are only in node memory
+    4    recovery refused: checkpoints of this job exist but no consistent state can be restored from them
+    130  interrupted (Ctrl-C); relaunch the same command to resume
+
+Anything else is a failure, with its traceback. A refusal is raised on every rank the same way; only global
+rank 0 prints it, so a job of any size prints one line.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+from megatier.checkpoint.commit.lease import LeaseHeld
+from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
+from megatier.config import ConfigError
+from megatier.interop.gpt2_config import GPT2FormatError
+
+EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+
+
+def is_rank0() -> bool:
+    """Global rank 0 (or a launch without a launcher), from the environment: valid before any process group."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def say(line: str, *, err: bool = False) -> None:
+    if is_rank0():
+        print(line, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def refusal(error: BaseException) -> Optional[tuple[int, str]]:
+    """(exit status, the line to print) when ``error`` is a refusal, else None (a failure: let it raise)."""
+    if isinstance(error, ConfigError):
+        return EXIT_CONFIG, f"config error: {error}"
+    if isinstance(error, GPT2FormatError):
+        return EXIT_CONFIG, f"config error: model.init_from: {error}"
+    if isinstance(error, (ConfigRefusal, LeaseHeld)):
+        return EXIT_CONFIG, str(error)
+    if isinstance(error, RecoveryError):
+        return EXIT_RECOVERY_REFUSED, str(error)
+    return None
+
+
+def interrupted(step: int, resume_from: Optional[str]) -> str:
+    """The line of a launch stopped by Ctrl-C after ``step``; ``resume_from`` says where a relaunch goes on
+    (None: checkpointing is off)."""
+    if resume_from is None:
+        return (f"interrupted at step {step}; checkpointing is off (checkpoint=disabled), so a relaunch starts "
+                f"again from step 0")
+    return f"interrupted at step {step}; relaunch the same command to resume from {resume_from}"
+
+
+def finished(trainer, summary: dict) -> int:
+    """Print how the launch ended (rank 0) and return its exit status."""
+    cfg = trainer.cfg
+    if trainer.already_finished:
+        say(f"job {cfg.checkpoint.job_id!r} had already finished: its checkpoints are at step {trainer.step} and "
+            f"train.iters={cfg.train.iters}; nothing to train (raise train.iters to train longer). "
+            f"state_digest {summary['state_digest']}")
+    elif trainer.interrupted_at is None:
+        say(f"done: step {summary['step']} loss {summary.get('loss', float('nan')):.4f} "
+            f"state_digest {summary['state_digest']}")
+    say(f"metrics: {trainer.logger.path}")
+    if trainer.logger.wandb_dir:
+        say(f"wandb ({cfg.logging.wandb.mode}): {trainer.logger.wandb_dir}")
+    if summary.get("checkpoint_behind"):
+        say(f"checkpoints: Tier-3 is {summary['checkpoint_units_behind']} units behind; the last durable version "
+            f"is {summary['checkpoint_durable_step']} (see the warning above)", err=True)
+    if trainer.interrupted_at is not None:
+        resume = f"step {summary['step']}" if trainer.checkpointer is not None else None
+        say(interrupted(trainer.interrupted_at, resume), err=True)
+        return EXIT_INTERRUPTED
+    return EXIT_TIER3_BEHIND if summary.get("checkpoint_behind") else EXIT_TRAINED
