@@ -16,6 +16,7 @@ Process groups (both gloo, both over every rank, both with the job's timeout):
 """
 from __future__ import annotations
 
+import logging
 import secrets
 import uuid
 from dataclasses import dataclass, field
@@ -34,11 +35,13 @@ from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.peer import PeerTier, ReplicaArea
 from megatier.checkpoint.tiers.remote import RemoteTier, open_remote_store
 from megatier.checkpoint.tiers.replicator import PeerReplicator
-from megatier.checkpoint.tiers.store import ObjectStore
-from megatier.config import CheckpointConfig
+from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError, retry_call
+from megatier.config import CheckpointConfig, ConfigError
 from megatier.config.fingerprint import fingerprint_hash
 from megatier.faults import FaultHook, FaultInjector, no_faults
 from megatier.parallel.layout import Layout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,27 +77,50 @@ class CheckpointContext:
             tier.close(timeout)
 
 
-def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig,
-                  comm: CheckpointComm) -> tuple[str, Optional[OwnerLease]]:
+@dataclass(frozen=True)
+class RemoteStart:
+    """How Tier-3 starts for this launch: the incarnation token every rank shares, rank 0's lease, and why
+    Tier-3 is offline (None: it answered and the lease is held)."""
+
+    incarnation: str
+    lease: Optional[OwnerLease] = None
+    offline: Optional[str] = None
+
+
+# Reaching Tier-3 at start-up: a few quick attempts, so a launch with node memory does not wait long for it.
+START_RETRY = RetryPolicy(attempts=3, base_delay_s=0.5, max_delay_s=2.0)
+
+
+def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig, comm: CheckpointComm) -> RemoteStart:
     """Rank 0 checks Tier-3, takes the owner lease and mints the launch's incarnation token; every rank learns
-    the token, or the one-line reason it cannot start."""
-    verdict: list = [None, None]
+    the token, or the one-line reason it cannot start. A Tier-3 that does not answer (a transient failure) with
+    node memory configured starts the launch offline instead (:class:`~.tiers.remote.RemoteTier`)."""
+    verdict: dict = {"refused": None, "lease_held": False, "incarnation": None, "offline": None}
     lease = None
     if comm.rank == 0:
-        verdict[1] = f"{uuid.uuid4().hex[:12]}{secrets.token_hex(2)}"
+        verdict["incarnation"] = f"{uuid.uuid4().hex[:12]}{secrets.token_hex(2)}"
         if store is not None:
+            lease = OwnerLease(store.fail_fast(), verdict["incarnation"], cfg.remote.lease_s)
             try:
-                store.check()
-                lease = OwnerLease(store, verdict[1], cfg.remote.lease_s)
+                retry_call(store.fail_fast().check, START_RETRY, "reaching it")
                 lease.acquire()
             except LeaseHeld as e:
-                verdict[0] = str(e)
+                verdict.update(refused=str(e), lease_held=True)
+            except StoreError as e:
+                if e.transient and "local" in cfg.tiers:
+                    verdict["offline"] = f"unreachable at start-up: {e}"
+                else:
+                    verdict["refused"] = f"checkpoint.remote.url={cfg.remote.url!r} is not usable: {e}"
             except Exception as e:  # any failure here must reach every rank, not only rank 0
-                verdict[0] = f"checkpoint.remote.url={cfg.remote.url!r} is not usable: {e}"
-    error, incarnation = comm.gather(verdict, what="checkpoint start-up")[0]
-    if error is not None:
-        raise RuntimeError(error)
-    return incarnation, lease
+                verdict["refused"] = f"checkpoint.remote.url={cfg.remote.url!r} is not usable: {e}"
+    verdict = comm.gather(verdict, what="checkpoint start-up")[0]
+    if verdict["refused"] is not None:
+        raise (LeaseHeld if verdict["lease_held"] else ConfigError)(verdict["refused"])
+    incarnation, offline = verdict["incarnation"], verdict["offline"]
+    if offline is not None and comm.rank == 0:
+        log.warning("Tier-3 at %s is %s; this launch starts from node memory and uploads once Tier-3 answers "
+                    "(checkpointing degraded until then)", store.url, offline)
+    return RemoteStart(incarnation, lease, offline)
 
 
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
@@ -116,7 +142,7 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     if "remote" in cfg.tiers and store is None:
         store = open_remote_store(cfg.remote.url, cfg.job_id, endpoint_url=cfg.remote.endpoint_url,
                                   fsync=cfg.remote.fsync)
-    incarnation, lease = _start_remote(store, cfg, comm)
+    remote = _start_remote(store, cfg, comm)
     tiers: list[Tier] = []
     if "local" in cfg.tiers:
         lists = ps.local_rank == 0  # reclaims what ranks of an older layout or ring left on this node
@@ -137,7 +163,8 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
             tiers.append(PeerTier(memory, replicator, keep_bases=cfg.local.keep_bases, fault=fault, lists=lists))
     if store is not None:
         tiers.append(RemoteTier(store, job_id=cfg.job_id, rank=ps.rank, world_size=ps.world_size,
-                                incarnation=incarnation, keep_bases=cfg.remote.keep_bases,
-                                drain_timeout_s=cfg.remote.drain_timeout_s, lease=lease, fault=fault))
+                                incarnation=remote.incarnation, keep_bases=cfg.remote.keep_bases,
+                                drain_timeout_s=cfg.remote.drain_timeout_s, lease=remote.lease, fault=fault,
+                                offline=remote.offline))
     return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s, dict(fingerprint or {}),
                              tuple(followed))

@@ -132,7 +132,8 @@ class CheckpointManager:
         self._once: dict = {}  # figures for the next step's record only
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
-        self._budget_warned = self._degraded_warned = 0.0
+        self._budget_warned = 0.0
+        self._troubled: dict[str, str] = {}  # tier label -> its trouble at the last sync (see _degraded)
         self._step_tiers = [t for t in saving if t.takes_steps] if self.cfg.diff.per_step else []
         # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes (cadence.py).
         worker_tiers = save_thread_tiers([t for t in saving if not t.lockstep],
@@ -363,7 +364,8 @@ class CheckpointManager:
         tiers = [t for t in self.ctx.tiers if t.saves]  # a read-only tier has no recovery point of this run
         durable = max((b for t in tiers if (b := t.durable_base()) is not None), default=None)
         mine = [p if (p := t.point()) is not None else _NONE for t in tiers]
-        pending = self.ctx.comm.gather_ints_async(mine + [durable if durable is not None else _NONE],
+        holds = int(all(t.holds_job() for t in tiers))
+        pending = self.ctx.comm.gather_ints_async(mine + [holds, durable if durable is not None else _NONE],
                                                   what=f"the checkpoint watermark sync after step {step}")
         self._syncs.append((step, tiers, pending))
         self._absorb_syncs(block=False)
@@ -383,6 +385,9 @@ class CheckpointManager:
         columns = {t.label: [row[i] for row in rows] for i, t in enumerate(tiers)}
         self._last = recovery_points(columns, step)
         self._last.update(self.worker.tier_metrics)  # taken on the save thread after its previous reclaim
+        if rows[0][-2] == 1:  # global rank 0 holds every tier (Tier-3's lease): writes may go out
+            for tier in tiers:
+                tier.allow_writes()
         committed = rows[0][-1]  # the coordinator's (global rank 0's) newest committed base
         if committed != _NONE and (self.watermark is None or committed > self.watermark):
             self.watermark = committed
@@ -390,14 +395,20 @@ class CheckpointManager:
         self.worker.submit_reclaim(self.watermark, self.ctx.tiers)
 
     def _degraded(self) -> Optional[str]:
-        """Tiers that cannot store what they are given, warned about once a minute while it lasts."""
-        problems = [p for t in self.ctx.tiers if (p := t.degraded()) is not None]
-        now = time.monotonic()
-        if problems and now - self._degraded_warned > 60.0:
-            self._degraded_warned = now
-            log.warning("rank %d: checkpointing is degraded, training goes on: %s", self.ctx.rank,
-                        "; ".join(problems))
-        return "; ".join(problems) if problems else None
+        """Tiers that cannot store what they are given now. One console line when a tier's trouble starts and one
+        when it ends (Tier-3's on global rank 0 only: it is one store for every rank)."""
+        problems = {t.label: p for t in self.ctx.tiers if (p := t.degraded()) is not None}
+        for label in sorted(set(problems) | set(self._troubled)):
+            if label == TIER3 and self.ctx.rank != 0:
+                continue
+            if label in problems and label not in self._troubled:
+                log.warning("rank %d: checkpointing is degraded, training goes on: %s", self.ctx.rank,
+                            problems[label])
+            elif label not in problems:
+                where = next(t.where() for t in self.ctx.tiers if t.label == label)
+                log.warning("rank %d: %s is healthy again; what it missed is being stored", self.ctx.rank, where)
+        self._troubled = problems
+        return "; ".join(problems[k] for k in sorted(problems)) if problems else None
 
     # ---- metrics and shutdown ----------------------------------------------------------------
 
@@ -458,7 +469,12 @@ class CheckpointManager:
         open_steps = (self._step - self.anchor) % self.cfg.diff.batch
         if open_steps:
             self.worker.submit_close_batch()
-            self._handoff.append(PayloadId.diff(self._step - open_steps + 1, self._step))
+            batch = PayloadId.diff(self._step - open_steps + 1, self._step)
+            # The batch covers the step units still waiting for their hand-over: a lockstep tier takes one diff
+            # unit per step, and the batch alone holds every one of those records.
+            self._handoff = [u for u in self._handoff if not (
+                isinstance(u, EncodedPayload) and u.stamp.pid.kind == STEP and batch.first <= u.stamp.pid.last)]
+            self._handoff.append(batch)
 
     def _final_status(self) -> dict:
         """Where the run's checkpoints stand at exit; the same on every rank (one gather)."""

@@ -38,6 +38,7 @@ from megatier.cli.inspect import human
 from megatier.cli.offline_state import Rebuilt, choose_point, point_fingerprint, rebuild, run_configs, step_ranges
 from megatier.cli.offline_tiers import NOTHING, ExportError, OfflineTiers
 from megatier.config import CheckpointConfig, ModelConfig
+from megatier.data.corpus import find_cached_corpus
 from megatier.data.indexed import IndexedDataset
 from megatier.interop.gpt2 import export_gpt2
 from megatier.interop.gpt2_config import GPT2FormatError
@@ -59,8 +60,11 @@ def check_output(out_dir: str) -> None:
 def data_tokenizer(prefix: Optional[str], fingerprint: dict) -> Optional[dict]:
     """The tokenizer spec of the run's data at ``prefix`` (None without one), checked to be the data the units
     were trained on (the fingerprint records its checksum)."""
-    if prefix is None:
-        return None
+    if prefix is None:  # trained on the default corpus? It is in the cache under its checksum
+        recorded = json.loads(fingerprint.get("data.checksum", "null"))
+        prefix = find_cached_corpus(recorded) if recorded is not None else None
+        if prefix is None:
+            return None
     try:
         dataset = IndexedDataset(prefix)
     except (OSError, ValueError) as e:
@@ -111,8 +115,8 @@ def _tokenizer_line(spec: Optional[dict]) -> str:
     if spec is None:
         return "tokenizer: none (give --data-prefix <the run's data.prefix> to add its tokenizer)"
     if spec.get("type") == "bpe":
-        return "tokenizer: bpe from --data-prefix (tokenizer.json, tokenizer_config.json)"
-    return f"tokenizer: {spec.get('type')} from --data-prefix (no files: ids are UTF-8 bytes; eos id in config.json)"
+        return "tokenizer: bpe of the run's data (tokenizer.json, tokenizer_config.json)"
+    return f"tokenizer: {spec.get('type')} of the run's data (no files: ids are UTF-8 bytes; eos id in config.json)"
 
 
 def _digest_line(c: Consensus, rebuilt: Rebuilt) -> str:

@@ -296,6 +296,15 @@ def _room(sp: SizePlan) -> str:
             f"largest node's {human(need)} while Tier-3 is behind")
 
 
+def _vocab_note(sp: SizePlan) -> list[str]:
+    """Say that the parameter count follows the data's vocabulary when no model.vocab_size sets it (a gpt2_124m
+    preset on byte data has 86M parameters, not GPT-2's 124M)."""
+    if sp.vocab[1] == "model.vocab_size":
+        return []
+    return [f"note: the vocabulary (and so the parameter count) is the data's, {sp.vocab[0]} tokens; set "
+            f"model.vocab_size to plan another, e.g. model.vocab_size=50257 for GPT-2's"]
+
+
 def render_plan(sp: SizePlan, cfg: Config) -> str:
     """The plan as a report: the setting, payloads per rank, what each tier keeps, node memory, Tier-3 in all."""
     c, d, p = sp.ckpt, sp.ckpt.diff, cfg.parallel
@@ -306,7 +315,8 @@ def render_plan(sp: SizePlan, cfg: Config) -> str:
              f"checkpoint: job {c.job_id!r}, diff {d.compression} (top-k {d.topk_ratio}, int8 below "
              f"{d.small_threshold} elements), batch {d.batch}{', per step' if d.per_step else ''}; a base every "
              f"{c.base_interval} steps; tiers {', '.join(c.tiers)}",
-             *(f"note: {n}" for n in sp.notes), "", "payloads per rank, as serialized:", *_payload_rows(sp)]
+             *(f"note: {n}" for n in sp.notes), *_vocab_note(sp), "", "payloads per rank, as serialized:",
+             *_payload_rows(sp)]
     if d.compression in ("adaptive", "topk"):
         lines.append("(top-k records are planned at the count they aim for; real ones keep more or fewer: on the "
                      "demo within 2%)")

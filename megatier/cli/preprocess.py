@@ -1,4 +1,4 @@
-"""Turn text or JSONL files into a MegaTier token dataset (<prefix>.bin + <prefix>.idx).
+r"""Turn text or JSONL files into a MegaTier token dataset (<prefix>.bin + <prefix>.idx).
 
     # your data, byte-level tokens
     megatier-preprocess --input corpus/*.txt --output-prefix data/mycorpus
@@ -11,7 +11,7 @@
     # no --input: the default corpus (Python's standard library source)
     megatier-preprocess --output-prefix data/stdlib
 
-Then train on it with `pretrain_gpt.py data.prefix=data/mycorpus`.
+Then train on it with `megatier-train data.prefix=data/mycorpus`.
 """
 from __future__ import annotations
 

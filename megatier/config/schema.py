@@ -92,7 +92,7 @@ class OptimConfig:
 
 @dataclass
 class DataConfig:
-    """Token dataset. ``prefix`` names ``<prefix>.bin`` / ``<prefix>.idx`` from scripts/preprocess_data.py."""
+    """Token dataset. ``prefix`` names ``<prefix>.bin`` / ``<prefix>.idx`` from megatier-preprocess."""
 
     # None: the default corpus (Python's standard library source), built on first use in cache_dir.
     prefix: Optional[str] = None

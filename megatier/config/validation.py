@@ -94,7 +94,7 @@ def _validate_data(d: DataConfig, m: ModelConfig) -> None:
             path = os.path.expanduser(d.prefix) + suffix
             _require(
                 os.path.isfile(path),
-                f"data.prefix={d.prefix!r}: {path} does not exist; build it with scripts/preprocess_data.py "
+                f"data.prefix={d.prefix!r}: {path} does not exist; build it with megatier-preprocess "
                 f"--output-prefix {d.prefix} or leave data.prefix unset for the default corpus",
             )
 

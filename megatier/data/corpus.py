@@ -33,7 +33,7 @@ def stdlib_files(max_bytes: int) -> list[str]:
         total += size
     if not chosen:
         raise RuntimeError(f"found no standard-library sources under {root}; pass your own data to "
-                           f"scripts/preprocess_data.py --input")
+                           f"megatier-preprocess --input")
     return chosen
 
 
@@ -112,6 +112,21 @@ def ensure_default_corpus(cache_dir: Optional[str], tokenizer: str, mib: float, 
     files = stdlib_files(int(mib * 2**20))
     build_dataset(files, prefix, tokenizer=tokenizer, bpe_vocab_size=bpe_vocab_size)
     return prefix
+
+
+def find_cached_corpus(checksum: str, cache_dir: Optional[str] = None) -> Optional[str]:
+    """The prefix of a corpus in the default cache whose tokens have xxh64 ``checksum`` (a run that trained on
+    the default corpus records only the checksum), or None."""
+    root = default_cache_dir(cache_dir)
+    names = sorted(n for n in os.listdir(root) if n.endswith(".idx")) if os.path.isdir(root) else []
+    for name in names:
+        prefix = os.path.join(root, name[:-len(".idx")])
+        try:
+            if read_index(prefix + ".idx")[1].get("bin_xxh64") == checksum:
+                return prefix
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _has_checksum(prefix: str) -> bool:

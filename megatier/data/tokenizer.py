@@ -51,7 +51,7 @@ class BPETokenizer:
         path = os.path.abspath(os.path.expanduser(path))
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path} does not exist; train one with "
-                                    f"scripts/preprocess_data.py --tokenizer bpe or pass an existing tokenizer.json")
+                                    f"megatier-preprocess --tokenizer bpe or pass an existing tokenizer.json")
         self.path = path
         self._tok = HFTokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()

@@ -104,6 +104,7 @@ def export_gpt2(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir:
         tensors[theirs] = (value.t() if transposed else value).contiguous()
     tmp = os.path.join(out_dir, f"model.safetensors.tmp{os.getpid()}")
     save_file(tensors, tmp, metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # readable like config.json (save_file's temporary file is private, 0600)
     os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(gpt2_config(model_cfg, vocab, eod), f, indent=2, sort_keys=True)

@@ -58,8 +58,12 @@ def _lines(ax, history: RunHistory, key: str, label: str, scale: float = 1.0, **
 
 
 def _legend(ax, loc: str) -> None:
+    """A legend at ``loc``; "outside" puts it right of the axes, where it never covers the data."""
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(loc=loc, fontsize=8)
+        if loc == "outside":
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, borderaxespad=0.0)
+        else:
+            ax.legend(loc=loc, fontsize=8)
 
 
 def mark_recoveries(ax, history: RunHistory) -> int:
@@ -87,9 +91,10 @@ def loss_figure(history: RunHistory) -> Figure:
         raise NothingToPlot("no loss in the step records")
     _lines(ax, history, "val_loss", "val_loss", color="tab:orange", marker="o", ms=3, lw=1.2)
     failures = mark_recoveries(ax, history)
+    launches = len(history.trained_launches)
     ax.set(xlabel="step", ylabel="loss",
-           title=f"loss ({failures} failure{'s' if failures != 1 else ''}, {len(history.launches)} launch"
-                 f"{'es' if len(history.launches) != 1 else ''})")
+           title=f"loss ({failures} failure{'s' if failures != 1 else ''}, {launches} launch"
+                 f"{'es' if launches != 1 else ''})")
     _legend(ax, "upper right")
     return fig
 
@@ -97,7 +102,8 @@ def loss_figure(history: RunHistory) -> Figure:
 def step_time_figure(history: RunHistory) -> Figure:
     """Step time (iter_time_s) and the checkpoint stall the loop paid (ckpt_stall_ms) per step."""
     fig, (top, bottom) = _figure(2)
-    if not _lines(top, history, "iter_time_s", "iter_time_s", scale=1000.0, color="tab:blue", lw=0.8):
+    if not _lines(top, history, "iter_time_s", "step time (iter_time_s, in ms)", scale=1000.0, color="tab:blue",
+                  lw=0.8):
         raise NothingToPlot("no iter_time_s in the step records")
     top.set(ylabel="step time (ms)", title="step time and checkpoint stall")
     if not _lines(bottom, history, "ckpt_stall_ms", "ckpt_stall_ms", color="tab:purple", lw=0.8):
@@ -195,7 +201,7 @@ def tier_bytes_figure(history: RunHistory) -> Figure:
     bottom.set(xlabel="step", ylabel="MiB held")
     for ax in (top, bottom):
         mark_recoveries(ax, history)
-        _legend(ax, "upper right")
+        _legend(ax, "outside")
     return fig
 
 

@@ -163,16 +163,24 @@ class RunHistory:
         return None
 
     @property
+    def trained_launches(self) -> list[Launch]:
+        """The launches that trained or recovered (a launch refused before its restore wrote nothing)."""
+        return [launch for launch in self.launches if launch.steps or launch.events]
+
+    @property
     def recoveries(self) -> list[Recovery]:
-        """Every restart that recovered, in launch order."""
+        """Every restart that recovered from a failure, in launch order. A launch continuing a job whose previous
+        launch ended cleanly (``failure_class`` none: to train longer, or a job already finished) is no failure,
+        and a refused launch (no records) is no launch."""
         out = []
-        for i, launch in enumerate(self.launches):
+        launches = self.trained_launches
+        for i, launch in enumerate(launches):
             for e in launch.events:
-                if e.get("event") != "recovery":
+                if e.get("event") != "recovery" or e.get("failure_class") == "none":
                     continue
                 failed = e.get("last_step")
                 if not isinstance(failed, int) and i > 0:
-                    failed = self.launches[i - 1].last_step  # node memory that knew it was lost (a rack failure)
+                    failed = launches[i - 1].last_step  # node memory that knew it was lost (a rack failure)
                 restore = sum(number(e.get(k)) or 0.0 for k in ("t_consensus_s", "t_rollback_s", "t_replay_s"))
                 out.append(Recovery(i, failed if isinstance(failed, int) else None, e["step"],
                                     str(e.get("failure_class", "unknown")), e.get("steps_lost"), restore))

@@ -157,11 +157,12 @@ class Coordinator:
                 log.info("Tier-3 reclaimed %d units behind watermark %d", len(doomed), watermark)
             self._reclaimed_at = watermark
 
-    def _report(self, message: str, error: str) -> None:
-        """Log a failure when it is new, and at most once a minute while it lasts."""
+    def _report(self, message: str, error: str, level: int = logging.WARNING) -> None:
+        """Log a failure when it is new, and at most once a minute while it lasts (a store outage at debug
+        level: the manager says it once per outage, from :meth:`RemoteTier.degraded`)."""
         now = time.monotonic()
         if error != self.last_error or now - self._reported_at > 60.0:
-            log.warning("%s", message)
+            log.log(level, "%s", message)
             self._reported_at = now
         self.last_error = error
 
@@ -180,26 +181,30 @@ class Coordinator:
             self.poll_once()
             self.last_error, failed = None, False
         except StoreError as e:
-            self._report(f"Tier-3 commit/reclaim at {self.store.url} failed, retrying: {e}", str(e))
+            self._report(f"Tier-3 commit/reclaim at {self.store.url} failed, retrying: {e}", str(e), logging.DEBUG)
         except Exception as e:  # a corrupt marker from another job, etc.: keep training, say why
             self._report(f"Tier-3 coordinator error (commits paused until it clears): {e!r}", repr(e))
         with self._lock:
             self._failed = failed
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread, then commit once more so units completed at the end are not left pending."""
+        """Stop the thread, then commit once more so units completed at the end are not left pending; all of it
+        within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
         self._stop.set()
         self._wake.set()
         if self._thread.ident is None:
             return  # never started: this launch committed nothing
-        self._thread.join(timeout)
-        deadline = time.monotonic() + timeout
+        self._thread.join(max(1.0, deadline - time.monotonic()))  # an idle thread ends at once
+        if self._thread.is_alive():  # stuck in a store call: a second committer must not race it
+            log.warning("final Tier-3 commit skipped: the coordinator is still waiting on %s", self.store.url)
+            return
         while True:
             try:
                 self.poll_once()
                 return
             except StoreError as e:
-                if time.monotonic() > deadline:
+                if time.monotonic() + 0.5 > deadline:
                     log.warning("final Tier-3 commit failed, units stay uncommitted: %s", e)
                     return
                 time.sleep(0.5)
@@ -208,6 +213,8 @@ class Coordinator:
 class NoCoordinator:
     """What every rank but global rank 0 holds in the coordinator's place: it commits nothing and
     knows no Tier-3 recovery point (rank 0's figures reach everyone through the watermark sync)."""
+
+    last_error: Optional[str] = None
 
     def start(self) -> "NoCoordinator":
         return self

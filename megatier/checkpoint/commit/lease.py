@@ -150,7 +150,7 @@ class OwnerLease:
             try:
                 self.renew()
             except StoreError as e:  # keep trying; past the lease another launch may take over, and we see it
-                log.warning("renewing the Tier-3 lease at %s failed: %s", self.store.url, e)
+                log.debug("renewing the Tier-3 lease at %s failed: %s", self.store.url, e)
 
     def release(self) -> None:
         """Stop renewing and mark the record released, so the next launch starts at once."""

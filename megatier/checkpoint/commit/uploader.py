@@ -60,11 +60,13 @@ class Uploader:
 
     def __init__(self, store: ObjectStore, job_id: str, rank: int, *, incarnation: str,
                  backoff: RetryPolicy = RetryPolicy(), fault_hook: FaultHook = no_faults,
-                 on_done: Optional[Callable[[PayloadId], None]] = None):
+                 on_done: Optional[Callable[[PayloadId], None]] = None, open_now: bool = True):
         # ``incarnation`` must be the same on every rank of one launch and differ between launches
         # (e.g. a token broadcast from rank 0 at start-up): a commit never mixes two incarnations' markers.
         # Only backoff's delays are used: the uploader never gives up on a payload while it is open.
         # ``on_done(pid)`` runs in the uploader's thread after each done marker (the coordinator's nudge).
+        # ``open_now=False``: payloads queue until :meth:`allow` (a launch that started while Tier-3 was down
+        # writes nothing before global rank 0 holds the job's lease and has cleaned up after the restore).
         if not incarnation:
             raise ValueError("incarnation must be a non-empty token shared by every rank of this launch")
         self.store, self.job_id, self.rank, self.incarnation = store, job_id, rank, incarnation
@@ -72,6 +74,7 @@ class Uploader:
         self._rng = random.Random()
         self._queue: collections.deque[EncodedPayload] = collections.deque()
         self._cv, self._abort = threading.Condition(), threading.Event()
+        self._open = open_now
         self._closing = self._stopped = False  # _stopped: the worker thread has exited
         self._error: Optional[BaseException] = None
         self._last: Optional[PayloadId] = None
@@ -100,6 +103,16 @@ class Uploader:
                 self._supersede(payload)
             self._queue.append(payload)
             self._cv.notify_all()
+
+    def allow(self) -> None:
+        """Start uploading what is queued (see ``open_now``)."""
+        with self._cv:
+            self._open = True
+            self._cv.notify_all()
+
+    @property
+    def allowed(self) -> bool:
+        return self._open
 
     def failing_for(self) -> Optional[float]:
         """Seconds since the first failure after the last success; None while uploads succeed."""
@@ -146,7 +159,10 @@ class Uploader:
         except UploaderError:
             pass  # close() reports what is left; the cause stays available through wait()/submit()
         self._abort.set()
-        self._thread.join(timeout=5.0)
+        with self._cv:
+            self._cv.notify_all()
+        # A store call in flight ends at its own timeout; the thread is a daemon, so the exit does not wait.
+        self._thread.join(timeout=1.0)
         with self._cv:
             return [p.stamp.pid for p in self._queue]
 
@@ -168,7 +184,8 @@ class Uploader:
     def _work(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while (not self._queue or not self._open) and not self._abort.is_set() and not (
+                        self._closing and not self._queue):
                     self._cv.wait()
                 if not self._queue or self._abort.is_set():
                     return
@@ -219,9 +236,9 @@ class Uploader:
                     self._failures += 1
                     self._last_error = f"{what}: {e}"
                     self._failing_since = self._failing_since or now
-                if now - self._warned_at > 60.0:  # once a minute while it lasts
+                if now - self._warned_at > 60.0:  # the console line per outage is the manager's (degraded)
                     self._warned_at = now
-                    log.warning("Tier-3 %s failed (attempt %d), retrying: %s", what, attempt + 1, e)
+                    log.debug("Tier-3 %s failed (attempt %d), retrying: %s", what, attempt + 1, e)
                 if self._abort.wait(self.backoff.delay(attempt, self._rng)):
                     raise _Stopped() from e
                 attempt += 1

@@ -176,6 +176,15 @@ class Tier(abc.ABC):
         """Per-step figures of this tier for the metrics record."""
         return {}
 
+    def holds_job(self) -> bool:
+        """Whether this rank may write the tier now. Tier-3 of a launch that started while it was down: not
+        before global rank 0 holds the job's lease again; rank 0's answer reaches every rank with the watermark
+        sync, which then calls :meth:`allow_writes`."""
+        return True
+
+    def allow_writes(self) -> None:
+        """Global rank 0 holds the tier (see :meth:`holds_job`): writes may start."""
+
     def upload_always(self, version: int) -> None:
         """Take the base of ``version`` whatever a cadence would skip (the final base at exit)."""
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from typing import Optional
 from urllib.parse import urlparse
 
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import Coordinator, NoCoordinator
-from megatier.checkpoint.commit.lease import OwnerLease
+from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import (
     COMMITTED,
@@ -37,6 +38,7 @@ from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
 from megatier.checkpoint.format.units import PayloadId, check_path_component, rank_name
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end
+from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import JOB, TIER3, Copy, Listing, Tier
 from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.node_memory import read_fingerprints
@@ -93,27 +95,43 @@ def list_committed(store: ObjectStore, label: str = TIER3) -> Listing:
 
 
 class RemoteTier(Tier):
-    """Tier-3 of rank ``rank``: uploads its units; on global rank 0 also commits and reclaims."""
+    """Tier-3 of rank ``rank``: uploads its units; on global rank 0 also commits and reclaims.
+
+    ``offline`` (why Tier-3 did not answer at start-up, None when it did): the launch started from node memory
+    without it. Tier-3 is then not listed at restore (it counts as a trace, so a launch with nothing in node
+    memory stops instead of starting fresh), and nothing is written to it until global rank 0 has reached it
+    again, taken the job's lease (or stopped the run, when another live launch holds it), committed what the
+    previous launch left and cleaned up after this launch's restore point; rank 0's readiness reaches the
+    other ranks with the next watermark sync (:meth:`holds_job`, :meth:`allow_writes`).
+    """
 
     label, scope = TIER3, JOB
 
     def __init__(self, store: ObjectStore, *, job_id: str, rank: int, world_size: int, incarnation: str,
                  keep_bases: int, drain_timeout_s: float = 120.0, lease: Optional[OwnerLease] = None,
-                 fault: FaultHook = no_faults):
-        self.store = store
+                 fault: FaultHook = no_faults, offline: Optional[str] = None, reconnect_s: float = 2.0):
+        self.store = store  # with retries: restore's listing and reads
+        fast = store.fail_fast()  # the helper threads retry on their own, and must see a failure at once
         self.job_id = job_id
         self.world_size = world_size
         self.lists = rank == 0  # global rank 0 lists Tier-3, commits and records the config
         self.drain_timeout_s = drain_timeout_s
         self._left: list[PayloadId] = []  # what the uploader could not store by the end of drain()
+        self._deadline: Optional[float] = None  # drain and close share drain_timeout_s
         self.lease = lease  # global rank 0's hold on the job's prefix (commit/lease.py); None elsewhere
         self.reader = RemoteReader(store, job_id)
-        self.coordinator = (Coordinator(store, job_id, world_size, keep_bases=keep_bases, fault_hook=fault)
+        self.coordinator = (Coordinator(fast, job_id, world_size, keep_bases=keep_bases, fault_hook=fault)
                             if rank == 0 else NoCoordinator())  # polls from start(), after restore
         # The coordinator's rank nudges it after each of its own markers, naming the unit: no unit commits
         # without rank 0's marker, so that is when one may become complete (in a world of one, it is).
-        self.uploader = Uploader(store, job_id, rank, incarnation=incarnation, fault_hook=fault,
-                                 on_done=self.coordinator.nudge)
+        self.uploader = Uploader(fast, job_id, rank, incarnation=incarnation, fault_hook=fault,
+                                 on_done=self.coordinator.nudge, open_now=offline is None)
+        self.offline = offline
+        self._ready = offline is None  # rank 0: holds the lease and cleaned up; Tier-3 may be written
+        self._deferred: dict = {}  # offline: restore's end and the config record, done once Tier-3 answers
+        self._reconnect_s = reconnect_s
+        self._stop = threading.Event()
+        self._reconnect: Optional[threading.Thread] = None
 
     def where(self) -> str:
         return f"Tier-3 at {self.store.url}"
@@ -124,6 +142,8 @@ class RemoteTier(Tier):
         self.uploader.submit(payload)
 
     def list(self) -> Listing:
+        if self.offline is not None:  # unknown, not empty: a trace, so a restore never starts fresh over it
+            return Listing(traces=True, notes=[f"{self.where()} was not consulted: {self.offline}"])
         return list_committed(self.store, self.label)
 
     def read(self, copy: Copy) -> EncodedPayload:
@@ -138,13 +158,56 @@ class RemoteTier(Tier):
     # ---- save path ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.coordinator.start()
+        if self._ready:
+            self.coordinator.start()
+        elif self.lists:
+            self._reconnect = helper_thread(self._reach_again, "megatier-t3-reconnect")
+            self._reconnect.start()
+
+    def _reach_again(self) -> None:
+        """Rank 0 of a launch that started without Tier-3: wait until it answers, take the lease, catch up on
+        what restore would have done there, then let the uploads and commits go."""
+        delay = self._reconnect_s
+        while not self._stop.wait(delay):
+            delay = min(2 * delay, 30.0)
+            try:
+                self.store.fail_fast().check()
+                self.lease.acquire()
+                self._settle()
+                gone = self._discard_after(self._deferred.get("end", 0))
+                if "config" in self._deferred:
+                    self._record_config(*self._deferred["config"])
+            except LeaseHeld as e:
+                self.lease.lost = str(e)  # point() stops the run at the next watermark sync
+                return
+            except StoreError as e:
+                log.debug("Tier-3 at %s still unreachable: %s", self.store.url, e)
+                continue
+            self._ready = True
+            self.coordinator.start()
+            self.uploader.allow()
+            log.warning("%s answers again: this launch holds its lease%s and uploads what it queued",
+                        self.where(), f", set aside {len(gone)} units beyond E={self._deferred['end']}"
+                        if gone else "")
+            return
+
+    def holds_job(self) -> bool:
+        return self._ready if self.lists else self.uploader.allowed
+
+    def allow_writes(self) -> None:
+        self.uploader.allow()
 
     def record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
         """Rank 0 records the fingerprint once; if Tier-3 is down now, a later restore can still refuse a
         changed config, only without naming the keys."""
         if not fingerprint_id or not self.lists:
             return
+        if not self._ready:
+            self._deferred["config"] = (fingerprint_id, dict(fingerprint))
+            return
+        self._record_config(fingerprint_id, fingerprint)
+
+    def _record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
         try:
             self.store.put(f"{FINGERPRINTS}{fingerprint_id}.json", json.dumps(fingerprint, sort_keys=True).encode())
         except StoreError as e:
@@ -154,8 +217,8 @@ class RemoteTier(Tier):
         """The rack recovery point (known on rank 0), asked at each watermark sync; stops the run if another
         launch took the Tier-3 lease over. (The coordinator polls when rank 0's uploader marks a unit done.)"""
         if self.lease is not None and self.lease.lost is not None:
-            raise RuntimeError(f"this run lost the Tier-3 lease at {self.store.url}: {self.lease.lost}; it stops "
-                               f"so that two runs never write one job's checkpoints")
+            raise LeaseHeld(f"this run lost the Tier-3 lease at {self.store.url}: {self.lease.lost}; it stops "
+                            f"so that two runs never write one job's checkpoints")
         return self.coordinator.recovery_point()
 
     def durable_base(self) -> Optional[int]:
@@ -166,10 +229,15 @@ class RemoteTier(Tier):
             self.coordinator.set_watermark(watermark)
 
     def degraded(self) -> Optional[str]:
+        if not self.holds_job():
+            return (f"{self.where()} has not answered since the launch ({self.offline or 'see rank 0'}); its "
+                    f"uploads wait ({len(self.uploader.status().pending)} units queued)")
         failing = self.uploader.failing_for()
-        if failing is None:
-            return None
-        return f"{self.where()} failing for {failing:.0f} s: {self.uploader.status().last_error}"
+        if failing is not None:
+            return f"{self.where()} failing for {failing:.0f} s: {self.uploader.status().last_error}"
+        if self.coordinator.last_error is not None:
+            return f"{self.where()}: commits failing: {self.coordinator.last_error}"
+        return None
 
     def pending_bytes(self) -> int:
         return self.uploader.status().pending_bytes
@@ -186,16 +254,26 @@ class RemoteTier(Tier):
             return f"Tier-3 uploads are slower than the save rate ({len(status.pending)} units queued)"
         return None
 
+    def _remaining(self, timeout: float) -> float:
+        """Seconds left of the exit's Tier-3 time (``checkpoint.remote.drain_timeout_s`` for drain and close
+        together), counted from the first call."""
+        if self._deadline is None:
+            self._deadline = time.monotonic() + min(timeout, self.drain_timeout_s)
+        return max(0.0, self._deadline - time.monotonic())
+
     def drain(self, step: int, timeout: float) -> None:
-        """Upload what is queued for at most ``checkpoint.remote.drain_timeout_s``, then stop."""
-        self._left = self.uploader.close(min(timeout, self.drain_timeout_s))
+        """Upload what is queued until the exit's Tier-3 time is up, then stop."""
+        self._left = self.uploader.close(self._remaining(timeout))
         if self._left:
             log.warning("rank %d: %d units not uploaded to Tier-3 at exit: %s", self.uploader.rank, len(self._left),
                         ", ".join(map(str, self._left)))
 
     def close(self, timeout: float) -> None:
-        self.coordinator.close(min(timeout, self.drain_timeout_s))
-        if self.lease is not None:
+        left = self._remaining(timeout)
+        self._stop.set()
+        if self._ready:
+            self.coordinator.close(left)
+        if self.lease is not None and self.lease.held is not None:
             self.lease.release()
 
     def behind(self) -> int:
@@ -220,12 +298,23 @@ class RemoteTier(Tier):
         """Commit what the previous launch left with every marker in but no ``_COMMITTED`` (its coordinator
         died first), so the inventory sees the same Tier-3 whenever it runs. A unit that cannot be committed
         stays uncommitted: never loaded, and cleaned up if it lies beyond the recovery point."""
+        if self._ready:
+            self._settle()
+
+    def _settle(self) -> None:
         try:
             Committer(self.store, self.job_id).commit_pending(self.world_size)
         except (CommitError, StoreError) as e:
             log.warning("Tier-3 at %s: pending units left uncommitted before recovery: %s", self.store.url, e)
 
     def discard_after(self, end: int) -> list[str]:
+        """Clean up after the restore to ``end`` (see :meth:`_discard_after`); offline, once Tier-3 answers."""
+        if not self._ready:
+            self._deferred["end"] = end
+            return []
+        return self._discard_after(end)
+
+    def _discard_after(self, end: int) -> list[str]:
         """Delete uncommitted units after ``end`` (crashed attempts), and set committed ones aside.
 
         A committed unit beyond the recovery point is unreachable (a gap or a corrupt unit lies before it), and

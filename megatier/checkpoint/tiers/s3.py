@@ -18,6 +18,7 @@ Credentials come from the usual AWS environment (variables, profile, role).
 """
 from __future__ import annotations
 
+import copy
 import logging
 import secrets
 from typing import Callable, Optional, TypeVar
@@ -74,6 +75,11 @@ class S3Store(ObjectStore):
             self.client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, config=config)
         except NoRegionError as e:
             raise StoreUnavailable(f"{self.url}: no AWS region configured; set AWS_DEFAULT_REGION") from e
+
+    def fail_fast(self) -> "S3Store":
+        fast = copy.copy(self)  # shares the client (thread-safe)
+        fast.retry = RetryPolicy(attempts=1)
+        return fast
 
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)

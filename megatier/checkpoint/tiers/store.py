@@ -101,6 +101,11 @@ class ObjectStore(abc.ABC):
         """The full location of ``key`` for messages."""
         return f"{self.url.rstrip('/')}/{key}"
 
+    def fail_fast(self) -> "ObjectStore":
+        """This store with one attempt per call, for callers that retry on their own (the uploader, the
+        coordinator, the lease): a failure then reaches them, and their metrics and shutdown, at once."""
+        return self
+
 
 def check_key(key: str) -> str:
     """Reject keys that are empty, absolute, or step outside the store root."""
@@ -142,6 +147,7 @@ def retry_call(fn: Callable[[], T], policy: RetryPolicy, what: str, *,
             if not e.transient:
                 raise
             if attempt + 1 == policy.attempts:
-                raise StoreUnavailable(f"{what} failed after {policy.attempts} attempts: {e}", transient=True) from e
+                tried = f"{what} failed after {policy.attempts} attempts: " if policy.attempts > 1 else ""
+                raise StoreUnavailable(f"{tried}{e}", transient=True) from e
             sleep(policy.delay(attempt, rng))
     raise AssertionError("unreachable: the loop returns or raises")

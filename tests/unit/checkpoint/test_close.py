@@ -7,6 +7,7 @@ import pytest
 
 from megatier.checkpoint.checkpointer import build_checkpointer
 from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.cli import convert
 from megatier.training.trainer import Trainer
 from tests.checkpoint_fakes import DownAfter
 
@@ -34,9 +35,17 @@ def test_a_tier3_outage_at_exit_ends_in_bounded_time_with_a_clear_status(tiny_co
     assert "units behind at exit" in caplog.text and "remain only in Tier-1" in caplog.text
 
 
-def test_a_healthy_run_reports_its_checkpoints_durable(tiny_config, tmp_path):
-    trainer = Trainer(_config(tiny_config, tmp_path))
+def test_a_healthy_run_ends_durable_at_its_last_step_and_exports_it_exactly(tiny_config, tmp_path, capsys):
+    cfg = _config(tiny_config, tmp_path)  # 12 steps, diff batches of 5, a base every 10, lossy (adaptive) diffs
+    trainer = Trainer(cfg)
     trainer.train()
     summary = trainer.close()
     assert summary["checkpoint_behind"] is False
     assert summary["checkpoint_durable_step"] == summary["checkpoint_saved_step"] == 12  # the open batch closed
+    capsys.readouterr()
+    status = convert.main(["export", "--job-id", cfg.checkpoint.job_id, "--tier", "tier3", "--remote-url",
+                           f"{tmp_path}/t3", str(tmp_path / "hf")])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "step 12 from base v12" in out  # the final base: nothing replayed, so nothing lossy
+    assert f"canonical_digest: {summary['canonical_digest']}" in out  # the weights and moments training had

@@ -167,6 +167,7 @@ def test_inspect_plan_prints_ranks_tiers_and_nodes(corpus_prefix, capsys):
     assert inspect_main(["--plan", "--nodes", "2", "--procs-per-node", "2", *common]) == 0
     out = capsys.readouterr().out
     assert "tp=2 pp=1 dp=2 on 2 nodes x 2 processes" in out and f"vocabulary 257 from {corpus_prefix}.idx" in out
+    assert "note: the vocabulary (and so the parameter count) is the data's, 257 tokens" in out
     for needle in ("payloads per rank", "Tier-1 node memory: 2 bases + 60 steps", "Tier-2: the same", "Tier-3: 3 "
                    "bases + 110 steps", "node memory per node", "Tier-3 (", "for the whole job"):
         assert needle in out, needle

@@ -222,3 +222,16 @@ def test_no_checkpoints_from_the_command_line(tmp_path):
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "no checkpoints of job 'nope'" in result.stderr
     assert "--job-id" in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_a_run_on_the_default_corpus_exports_its_tokenizer_without_data_prefix(tmp_path, monkeypatch):
+    from megatier.data.corpus import build_dataset, stdlib_files
+    from megatier.data.indexed import IndexedDataset
+
+    monkeypatch.setenv("MEGATIER_CACHE", str(tmp_path / "cache"))
+    prefix = str(tmp_path / "cache" / "stdlib_byte")
+    (tmp_path / "cache").mkdir()
+    build_dataset(stdlib_files(2**16), prefix, tokenizer="byte")
+    checksum = IndexedDataset(prefix).checksum
+    assert convert.data_tokenizer(None, {"data.checksum": json.dumps(checksum)})["type"] == "byte"
+    assert convert.data_tokenizer(None, {"data.checksum": json.dumps("0" * 16)}) is None  # not in the cache

@@ -42,7 +42,7 @@ def test_unknown_key_is_rejected(compose_config):
         (["train.precision=fp8"], ["train.precision"]),
         (["optim.min_lr=1.0"], ["optim.min_lr"]),
         (["parallel.tp=3"], ["parallel.tp=3"]),
-        (["data.prefix=/nonexistent/data"], ["data.prefix", "preprocess_data.py"]),
+        (["data.prefix=/nonexistent/data"], ["data.prefix", "megatier-preprocess"]),
         (["logging.wandb.mode=sometimes"], ["logging.wandb.mode"]),
     ],
 )

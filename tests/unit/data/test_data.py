@@ -156,3 +156,12 @@ def test_a_verified_file_is_not_hashed_again_until_it_changes(tmp_path, monkeypa
     os.utime(prefix + ".bin", ns=(1, 1))  # a new modification time: verified again
     IndexedDataset(prefix, cache_dir=cache)
     assert len(calls) == 2
+
+
+def test_preprocess_help_keeps_its_examples_line_by_line(capsys):
+    from megatier.cli.preprocess import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "--vocab-size 8192 \\\n        --output-prefix data/docs" in out

@@ -53,6 +53,7 @@ def test_export_computes_megatiers_function_in_transformers(process_group, tmp_p
     export_gpt2(state, CFG, str(tmp_path / "hf"), tokenizer={"type": "byte"})
     theirs = _from_pretrained(tmp_path / "hf")
     assert theirs.config.vocab_size == VOCAB and theirs.config.eos_token_id == 256
+    assert os.stat(tmp_path / "hf" / "model.safetensors").st_mode & 0o777 == 0o644  # readable, as config.json
 
     tokens = torch.randint(0, VOCAB, (3, CFG.max_position_embeddings), generator=torch.Generator().manual_seed(1))
     expected = ours(tokens)[..., :VOCAB]

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from megatier.cli.plot import main as plot_main
-from megatier.observe.plot import goodput_figure, loss_figure, tier_bytes_figure, write_plots
+from megatier.observe.plot import goodput_figure, loss_figure, step_time_figure, tier_bytes_figure, write_plots
 from megatier.observe.run_history import MetricsMissing, RunHistory, metrics_files
 from megatier.training.trainer import Trainer
 
@@ -118,3 +118,26 @@ def test_figures_from_a_real_short_run(tiny_config, tmp_path, capsys):
         assert os.path.getsize(os.path.join(cfg.logging.run_dir, name)) > 10_000
     history = RunHistory.read(cfg.logging.run_dir)
     assert not history.recoveries and not _marks(loss_figure(history), "failure")
+
+
+def test_a_continuation_and_a_refused_launch_are_no_failures(tmp_path):
+    """A launch refused before its restore (an empty metrics file) and a relaunch after a clean exit (recovery
+    record with failure_class none) add no failure and no launch to the loss plot's title."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _write(run / "metrics.1.jsonl", [_step(s) for s in range(1, 11)] + [{"step": 10, "event": "summary"}])
+    _write(run / "metrics.2.jsonl", [])
+    _write(run / "metrics.jsonl", [{"step": 10, "event": "recovery", "failure_class": "none", "last_step": 10,
+                                    "steps_lost": 0}] + [_step(s) for s in range(11, 16)])
+    history = RunHistory.read(str(run))
+    assert history.recoveries == [] and len(history.trained_launches) == 2
+    assert loss_figure(history).axes[0].get_title() == "loss (0 failures, 2 launches)"
+
+
+def test_legends_say_what_is_drawn_and_stay_off_the_data(drill_dir):
+    history = RunHistory.read(str(drill_dir))
+    labels = [t.get_text() for t in step_time_figure(history).axes[0].get_legend().get_texts()]
+    assert labels[0] == "step time (iter_time_s, in ms)"
+    for ax in tier_bytes_figure(history).axes:
+        box = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
+        assert box.x0 >= 1.0  # right of the axes

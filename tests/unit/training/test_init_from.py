@@ -1,10 +1,13 @@
 """model.init_from: a single-process trainer starts from a Hugging Face GPT-2 directory."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 from megatier.config import ConfigError
+from megatier.interop.gpt2_config import GPT2FormatError
 from megatier.training.trainer import Trainer
 from tests.hf_gpt2 import expected_state, hf_loss, save_random_gpt2
 
@@ -13,10 +16,12 @@ pytest.importorskip("transformers")
 VOCAB = 257  # the byte corpus of the tiny_config
 
 
-def test_trainer_starts_from_the_hf_weights(tiny_config, tmp_path):
+def test_trainer_starts_from_the_hf_weights(tiny_config, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     cfg = tiny_config("train.iters=1", f"model.init_from={tmp_path / 'hf'}")
     hf = save_random_gpt2(str(tmp_path / "hf"), cfg.model, VOCAB)
     trainer = Trainer(cfg)
+    assert f"model.init_from: initialised the tiny model from the Hugging Face GPT-2 at {tmp_path / 'hf'}" in caplog.text
     params = dict(trainer.model.named_parameters())
     for name, value in expected_state(hf, cfg.model.num_layers).items():
         param = params[name][:VOCAB] if name == "word.weight" else params[name]
@@ -47,5 +52,5 @@ def test_init_from_another_shape_is_refused(tiny_config, tmp_path):
     cfg = tiny_config(f"model.init_from={tmp_path / 'hf'}")
     save_random_gpt2(str(tmp_path / "hf"), cfg.model, 300)
     fix = r"vocab_size=300 but the model has model.vocab_size=257; set model.vocab_size=300"
-    with pytest.raises(ValueError, match=fix):
+    with pytest.raises(GPT2FormatError, match=fix):  # megatier-train: "config error: model.init_from: ...", exit 2
         Trainer(cfg)

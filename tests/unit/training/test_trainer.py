@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
 
+from megatier.checkpoint.recover.inventory import ConfigRefusal
 from megatier.training.trainer import Trainer
 
 
@@ -57,3 +59,18 @@ def test_wandb_offline_writes_run(tiny_config, tmp_path):
     _run(cfg)
     runs = os.listdir(tmp_path / "w" / "wandb")
     assert any(name.startswith("offline-run-") for name in runs)
+
+
+def test_training_longer_keeps_the_schedule_of_the_first_launch(tiny_config, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    common = ["checkpoint=tiered", "checkpoint.tiers=[local]", f"checkpoint.local.root={tmp_path}/shm",
+              "checkpoint.base_interval=10", "optim.min_lr=1e-5", "optim.warmup_iters=2"]
+    first = _run(tiny_config(*common, "train.iters=8"))
+    assert first[7]["lr"] == 1e-5  # decayed to min_lr at train.iters=8, the horizon the job records
+    longer = _run(tiny_config(*common, "train.iters=12"))  # no optim.decay_iters: not a config change
+    recovery = next(r for r in longer if r.get("event") == "recovery")
+    assert recovery["end"] == 8 and recovery["adopted"] == {"optim.decay_iters": "8"}
+    assert [r["lr"] for r in longer if "event" not in r] == [1e-5] * 4  # steps 9-12 past the recorded horizon
+    assert "following the LR schedule of job" in caplog.text
+    with pytest.raises(ConfigRefusal, match="optim.decay_iters: 8 -> 20"):  # set explicitly: a change guarded
+        _run(tiny_config(*common, "train.iters=14", "optim.decay_iters=20"))
