@@ -49,7 +49,7 @@ EXTRAS = {
     ],
     # Transformer Engine's PyTorch layers (model.impl=te, train.precision=fp8); build it against the CUDA torch
     # already installed (--no-build-isolation). NVIDIA apex is not on PyPI (the package named apex there is
-    # unrelated): README's "GPU fast paths" builds it from NVIDIA's source.
+    # unrelated): docs/configuration.md, "GPU fast paths", builds it from NVIDIA's source.
     "gpu": ["transformer-engine[pytorch]"],
 }
 

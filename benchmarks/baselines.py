@@ -12,7 +12,7 @@ What they save is one rank's full training state, as its own framework would:
 * the ZeRO-1 optimizer shard: fp32 ``master``, ``exp_avg``, ``exp_avg_sq``,
 * the scalars ``step`` and ``adam_steps``.
 
-The rows of the benchmark, after TierCheck's (000_*.txt) section 5 baselines:
+The rows of the benchmark, after the section 5 baselines of TierCheck (arXiv:2605.17821):
 
 * :class:`SyncTorchSave` - Megatron-LM's default: every K steps a synchronous
   ``torch.save`` of the full state to ``<dir>/iter_<step>/rank<r>.pt`` (temp file +

@@ -73,7 +73,7 @@ def run(args, variant: str, work: Path, tag: str) -> list[dict]:
                  f"logging.run_dir={work / name}", "logging.progress=false", "logging.wandb.mode=disabled",
                  *VARIANTS[variant]]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-           str(REPO / "pretrain_gpt.py"), *overrides]
+           "-m", "megatier.train", *overrides]
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     shutil.rmtree(f"/dev/shm/megatier-bench-{os.getpid()}", ignore_errors=True)
     with open(work / name / "metrics.jsonl") as f:

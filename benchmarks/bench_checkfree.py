@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""CheckFree's convergence after a stage loss (002_*.txt Figure 2): weighted average, copy, random.
+"""CheckFree's convergence after a stage loss (Figure 2 of CheckFree, arXiv:2506.15461): weighted average, copy, random.
 
 One job (a small GPT on ``--pp`` pipeline stages, one process per stage on one
 simulated node, Tier-1 only) trains with checkpointing and is killed after step
@@ -42,11 +42,11 @@ import os
 import shutil
 import sys
 import tempfile
-from argparse import Namespace
 from typing import Optional
 
-from megatier.cli.drill import Job, launch, make_job, read_metrics, wipe_ranks
 from megatier.config import split_overrides
+from megatier.drill.job import Job, launch, make_job, read_metrics, wipe_ranks
+from megatier.drill.spec import LaunchSettings
 from megatier.faults import CrashPoint
 
 VARIANTS = ("fault-free", "weighted", "copy", "random")
@@ -56,8 +56,8 @@ DEFAULTS = ["model=tiny", "model.num_layers=4", "data.seq_len=64", "train.global
             "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "parallel.timeout_s=60"]
 
 
-def _cluster_args(args) -> Namespace:
-    return Namespace(nodes=1, procs_per_node=args.pp, fail_grace_s=2.0, timeout_s=args.timeout_s)
+def _cluster_args(args) -> LaunchSettings:
+    return LaunchSettings(nodes=1, procs_per_node=args.pp, fail_grace_s=2.0, timeout_s=args.timeout_s)
 
 
 def _job(work: str, args, extra: list[str]) -> Job:
@@ -157,7 +157,7 @@ def run(args) -> tuple[dict, dict]:
     return results, orders
 
 
-def parse_args(argv: list[str]) -> Namespace:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     argv, overrides = split_overrides(argv)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Hydra overrides go after --")
     p.add_argument("--pp", type=int, default=4)

@@ -84,7 +84,7 @@ checkpointing every step.
 
 Checkpoint intervals (--k, a list): MegaTier saves a recovery point every step,
 so K=1 compares at the same recovery granularity, as TierCheck's Exp#1 does
-(per-iteration snapshots for every system; 000_*.txt). K=25 is what the
+(per-iteration snapshots for every system; TierCheck, arXiv:2605.17821). K=25 is what the
 baselines can afford: TierCheck (Exp#3) finds the intervals at which they stay
 within a 3.5% slowdown to be about 11 (Gemini, DataStates-LLM) and 21-22
 (CheckFreq), and Megatron users configure --save-interval in that range. Rows

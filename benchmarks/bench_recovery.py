@@ -3,7 +3,7 @@
 
 Two parts (``--part replay|classes|all``, default all).
 
-replay -- the replay of 10/50/100-step diff chains (000_*.txt section 3.3, Exp#7), in
+replay -- the replay of 10/50/100-step diff chains (TierCheck, arXiv:2605.17821: section 3.3, Exp#7), in
 this process (a world of one). A Trainer of the demo model (``model=small``) trains
 ``--warmup`` steps; the shard is captured there (``ShardAccess.capture_base``: the
 chain's base). It then trains the longest chain, recording each step's consumed
@@ -32,7 +32,7 @@ recomputed optimizer state, which must be 0. The fused-vs-recompute difference o
 the configured (lossy) compression is printed too: that is the compression error.
 The speedups are sequential / fused and recompute / (fused + decode).
 
-classes -- recovery time per failure class (000_*.txt Table 3, Exp#4), expected over failure
+classes -- recovery time per failure class (TierCheck, arXiv:2605.17821: Table 3, Exp#4), expected over failure
 points spread uniformly across one base interval B (``--base-interval``, default 20). For each
 class (software, node, rack) and each of ``--points`` N offsets o, spread evenly over 1..B-1
 (o = 1: one step after a base, the best case; o = B-1: one step before the next, the worst;
@@ -118,7 +118,7 @@ MIB = 1 << 20
 
 
 class Exp7(NamedTuple):
-    """The seed's Exp#7 (000_*.txt section 5.3): GPT2 20B, a 100-step chain, seconds."""
+    """The seed's Exp#7 (TierCheck, arXiv:2605.17821: section 5.3): GPT2 20B, a 100-step chain, seconds."""
 
     chain: int = 100
     fused_s: float = 16.6
@@ -173,8 +173,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                             "one drill each (default 5; --quick: 2, the best and "
                                                             "the worst case)")
     p.add_argument("--baseline-k", type=int, default=50, help="baseline: a full checkpoint every K steps")
-    p.add_argument("--drill-script", default=str(REPO / "scripts" / "failure_drill.py"),
-                   help="the failure drill to run (tests point this at a fake)")
+    p.add_argument("--drill-script", default=None,
+                   help="a failure drill script to run instead of the package's megatier-drill (tests: a fake)")
     p.add_argument("--drill-timeout-s", type=float, default=1200.0, help="limit for one drill")
     p.add_argument("--work-dir", default=None, help="runs, drills and the baseline's checkpoint (default: temp)")
     p.add_argument("--keep", action="store_true", help="keep the work dir")
@@ -234,7 +234,7 @@ def drill_overrides(args: argparse.Namespace, iters: Optional[int]) -> list[str]
 def compose(overrides: list[str]):
     from megatier.config import compose_config
 
-    return compose_config(overrides, str(REPO / "configs"))
+    return compose_config(overrides)
 
 
 # ---- replay part: recording ---------------------------------------------------------------------
@@ -404,7 +404,7 @@ def format_replay_table(rows: list[dict], seed: Exp7 = SEED_EXP7) -> str:
                      f"{r['fused_vs_sequential_maxabs']:>15.3g} {r['lossless_vs_recompute_maxabs']:>21.3g}")
     vs_seq, vs_rec = speedups(seed.fused_s, seed.sequential_s, seed.recompute_s)
     lines.append(f"{'seed':>6} {'-':>9} {seed.fused_s:>9.1f} {seed.sequential_s:>9.1f} {seed.recompute_s:>12.1f} "
-                 f"{vs_seq:>9.2f}x {vs_rec:>18.1f}x   (000_*.txt Exp#7: GPT2 20B, {seed.chain} steps)")
+                 f"{vs_seq:>9.2f}x {vs_rec:>18.1f}x   (TierCheck Exp#7: GPT2 20B, {seed.chain} steps)")
     return "\n".join(lines)
 
 
@@ -561,7 +561,8 @@ def phases(times: dict, restore_s: float) -> dict:
 # ---- classes part: the drills -------------------------------------------------------------------
 
 def drill_command(args: argparse.Namespace, failure: str, at_step: int, work: str, json_path: str) -> list[str]:
-    return [sys.executable, args.drill_script, "--nodes", str(args.nodes), "--procs-per-node",
+    drill = [args.drill_script] if args.drill_script else ["-m", "megatier.cli.drill"]
+    return [sys.executable, *drill, "--nodes", str(args.nodes), "--procs-per-node",
             str(args.procs_per_node), "--fail", failure, "--at-step", str(at_step), "--work-dir", work,
             "--json", json_path, "--", *drill_overrides(args, at_step + 1)]
 
@@ -781,7 +782,7 @@ def format_summary_table(summaries: list[dict], seed: Sequence[Table3Row] = SEED
             f"{_s(s['baseline_e2e_s'], 10)} s {e2e_speedup} | {ref_text:>31}")
     others = ", ".join(f"{r.system} {r.rollback_s:.1f} + {r.rerun_s:.1f} = {r.total_s:.1f} s"
                        for r in seed if r.system != "TierCheck")
-    lines.append(f"seed baselines (all classes, GPT2 20B, 000_*.txt Table 3): {others}")
+    lines.append(f"seed baselines (all classes, GPT2 20B, TierCheck, arXiv:2605.17821: Table 3): {others}")
     return "\n".join(lines)
 
 
@@ -819,7 +820,7 @@ def format_classes_report(out: dict) -> str:
 
 def run_classes(args: argparse.Namespace, work: str) -> dict:
     """The classes part: one drill per class and failure point, the baseline's load measured once; prints tables."""
-    if not os.path.exists(args.drill_script):
+    if args.drill_script and not os.path.exists(args.drill_script):
         raise SystemExit(f"bench_recovery: the failure drill {args.drill_script} does not exist")
     offsets = point_offsets(args.points, args.base_interval)
     drills = [(failure, o, f, *run_point(args, work, failure, o))

@@ -21,9 +21,9 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from megatier.cli.launch import LocalCluster
+from megatier.drill.cluster import LocalCluster
+from megatier.drill.job import trainer_command
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = "reshard"
 # (label, tp, pp): dp follows from the world of 4.
 LAYOUTS = [("same layout (2,1,2)", 2, 1), ("resharded to (1,1,4)", 1, 1), ("resharded to (2,2,1)", 2, 2)]
@@ -45,7 +45,7 @@ def launch(work: str, args_: list[str], timeout_s: float) -> float:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
-            cluster = LocalCluster(2, 2, [os.path.join(REPO, "pretrain_gpt.py"), *args_])
+            cluster = LocalCluster(2, 2, trainer_command(args_))
             t0 = time.perf_counter()
             cluster.start()
             status = cluster.wait(fail_grace_s=5.0, timeout_s=timeout_s)

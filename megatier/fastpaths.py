@@ -17,11 +17,12 @@ import torch
 
 TE_MIN_VERSION = (2, 9)  # transformer_engine.pytorch.autocast and is_fp8_available
 TE_INSTALL = ("install it on a machine with CUDA and a CUDA build of torch: "
-              "`pip install --no-build-isolation 'transformer-engine[pytorch]'` (README: GPU fast paths)")
+              "`pip install --no-build-isolation 'transformer-engine[pytorch]'` "
+              "(docs/configuration.md: GPU fast paths)")
 APEX_INSTALL = ("build NVIDIA's apex from source with its CUDA extensions: `pip install -v --no-build-isolation "
                 "--config-settings '--build-option=--cpp_ext' --config-settings '--build-option=--cuda_ext' "
-                "git+https://github.com/NVIDIA/apex` (the PyPI package named apex is unrelated; README: GPU fast "
-                "paths)")
+                "git+https://github.com/NVIDIA/apex` (the PyPI package named apex is unrelated; "
+                "docs/configuration.md: GPU fast paths)")
 
 
 def cuda_missing() -> Optional[str]:

@@ -6,7 +6,7 @@ import threading
 import torch
 
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreUnavailable, TransientStoreError
+from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreUnavailable, TransientStoreError
 from megatier.parallel.layout import Layout
 
 JOB = "job1"

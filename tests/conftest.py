@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatier.checkpoint.storage.store import RetryPolicy
 from megatier.checkpoint.tiers.remote import open_remote_store
-from megatier.checkpoint.tiers.store import RetryPolicy
 
 REPO = Path(__file__).resolve().parents[1]
 FAST_RETRY = RetryPolicy(attempts=2, base_delay_s=0.01, max_delay_s=0.05)

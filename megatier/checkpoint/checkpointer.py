@@ -21,7 +21,7 @@ from torch import nn
 from megatier.checkpoint.context import build_context
 from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.shard import ShardAccess
-from megatier.checkpoint.tiers.store import ObjectStore
+from megatier.checkpoint.storage.store import ObjectStore
 from megatier.config import CheckpointConfig
 from megatier.faults import FaultInjector
 

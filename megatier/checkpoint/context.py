@@ -25,9 +25,10 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatier.checkpoint.auto_interval import initial_interval
 from megatier.checkpoint.comm import CheckpointComm, GroupComm
 from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
+from megatier.checkpoint.policy.auto_interval import initial_interval
+from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreError, retry_call
 from megatier.checkpoint.tiers.adoption import adopt_orphans
 from megatier.checkpoint.tiers.base import Tier
 from megatier.checkpoint.tiers.local import LocalTier
@@ -35,7 +36,6 @@ from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.peer import PeerTier, ReplicaArea
 from megatier.checkpoint.tiers.remote import RemoteTier, open_remote_store
 from megatier.checkpoint.tiers.replicator import PeerReplicator
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError, retry_call
 from megatier.config import CheckpointConfig, ConfigError
 from megatier.config.fingerprint import fingerprint_hash
 from megatier.faults import FaultHook, FaultInjector, no_faults
@@ -134,7 +134,7 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     """
     if "peer" in cfg.tiers and ps.num_nodes < 2:
         raise ValueError("checkpoint.tiers has peer on a one-node job; build the context from the effective "
-                         "config (megatier.config.effective_checkpoint_config)")
+                         "config (megatier.checkpoint.policy.rules.effective_checkpoint_config)")
     fault = fault if fault is not None else FaultInjector.from_env(ps.rank)
     transfer_group = dist.new_group(list(range(ps.world_size)), timeout=timedelta(seconds=timeout_s), backend="gloo")
     comm = GroupComm(ps.checkpoint_group, transfer_group, timeout_s)

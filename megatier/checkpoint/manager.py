@@ -45,11 +45,11 @@ from typing import Optional, Union
 from torch import nn
 
 from megatier import ops
-from megatier.checkpoint.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
-from megatier.checkpoint.cadence import save_thread_tiers
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
+from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
+from megatier.checkpoint.policy.cadence import save_thread_tiers
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.base_capture import BaseCapturer
 from megatier.checkpoint.save.worker import SaveWorker

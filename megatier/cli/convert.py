@@ -32,11 +32,18 @@ import os
 import sys
 from typing import Optional
 
+from megatier.checkpoint.offline.state import (
+    Rebuilt,
+    choose_point,
+    point_fingerprint,
+    rebuild,
+    run_configs,
+    step_ranges,
+)
+from megatier.checkpoint.offline.tiers import NOTHING, ExportError, OfflineTiers
 from megatier.checkpoint.recover.consensus import Consensus
 from megatier.checkpoint.tiers.base import TIER_ORDER
 from megatier.cli.inspect import human
-from megatier.cli.offline_state import Rebuilt, choose_point, point_fingerprint, rebuild, run_configs, step_ranges
-from megatier.cli.offline_tiers import NOTHING, ExportError, OfflineTiers
 from megatier.config import CheckpointConfig, ModelConfig
 from megatier.data.corpus import find_cached_corpus
 from megatier.data.indexed import IndexedDataset

@@ -14,7 +14,7 @@ committed or not, with every rank's object verified against its record.
 ``--plan`` composes the config of ``pretrain_gpt.py <overrides>`` (``checkpoint=tiered`` unless an override
 picks a checkpoint preset) on ``--nodes`` x ``--procs-per-node`` processes and prints, before any launch, the
 bytes of each rank's base, diff step and step unit and what Tier-1, Tier-2 and Tier-3 hold per rank and per
-node at steady state (:mod:`megatier.checkpoint.plan`).
+node at steady state (:mod:`megatier.checkpoint.offline.plan`).
 
 Exit status: 0 all found payloads verify (a plan was printed); 1 nothing was found for the job;
 2 a payload failed verification or a tier could not be read (the config cannot be planned).
@@ -25,17 +25,13 @@ import argparse
 import os
 import shutil
 import sys
-from dataclasses import dataclass
 from typing import Optional
 
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from megatier.checkpoint.commit.reader import RemoteReader
-from megatier.checkpoint.commit.records import QUARANTINE, SUPERSEDED, CommitError, DoneMarker, list_units, marker_key
-from megatier.checkpoint.format.payload import PayloadError, verify_payload
-from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.plan import (
+from megatier.checkpoint.offline.listing import Row, inspect_local, inspect_remote
+from megatier.checkpoint.offline.plan import (
     COMMIT_LAG_BATCHES,
     Cluster,
     PlanError,
@@ -44,27 +40,13 @@ from megatier.checkpoint.plan import (
     SizePlan,
     plan,
 )
-from megatier.checkpoint.tiers.node_memory import NodeMemory
+from megatier.checkpoint.offline.state import step_ranges
+from megatier.checkpoint.storage.store import RetryPolicy, StoreError
 from megatier.checkpoint.tiers.remote import open_remote_store
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.config import CheckpointConfig, Config, ConfigError, compose_config, split_overrides
-from megatier.model.gpt import count_parameters
+from megatier.model.params import count_parameters
 
 _DEFAULTS = CheckpointConfig()
-
-
-@dataclass
-class Row:
-    """One line of the report; ``ok`` False means a verification failure."""
-
-    tier: str
-    where: str
-    rank: str
-    unit: str
-    size: int
-    xxh64: str
-    status: str
-    ok: bool = True
 
 
 def human(n: int) -> str:
@@ -75,84 +57,6 @@ def human(n: int) -> str:
             break
         value, unit = value / 1024, larger
     return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-
-
-def inspect_local(root: str, job_id: str) -> list[Row]:
-    """Rows for every Tier-1 payload (own and replica areas) of every node directory."""
-    rows = []
-    for node in NodeMemory.nodes(root, job_id):
-        tier = NodeMemory(root, job_id, node)
-        for replica in (False, True):
-            label = "Tier-2" if replica else "Tier-1"
-            where = f"{node}/{'replica' if replica else 'own'}"
-            for e in tier.entries(replica=replica):
-                row = Row(label, where, str(e.owner_rank), str(e.pid), e.data_size or 0, "-", "ok")
-                if not e.complete:
-                    row.status = "incomplete (crashed write; never loaded)"
-                else:
-                    try:
-                        row.xxh64 = tier.load(e.owner_rank, e.pid, replica=replica).stamp.xxh64
-                    except (PayloadError, StoreError) as err:
-                        row.status, row.ok = f"FAILED: {err}", False
-                rows.append(row)
-    return rows
-
-
-def _verify_uncommitted(store: ObjectStore, pid, ranks: list[int]) -> Optional[str]:
-    """None if every marked object matches its marker, else the first problem."""
-    for r in ranks:
-        key = marker_key(pid, r)
-        try:
-            marker = DoneMarker.from_json(store.get(key), store.describe(key))
-            verify_payload(store.get(marker.key), marker.stamp, store.describe(marker.key))
-        except (PayloadError, CommitError, StoreError) as err:
-            return str(err)
-    return None
-
-
-def inspect_remote(store: ObjectStore, job_id: str) -> list[Row]:
-    """Rows for every Tier-3 unit: committed ones verified rank by rank, uncommitted ones by marker."""
-    reader = RemoteReader(store, job_id)
-    rows = []
-    for pid, unit in sorted(list_units(store).items(), key=lambda kv: (kv[0].last, kv[0].kind)):
-        row = Row("Tier-3", store.url, "-", str(pid), sum(unit.objects.values()), "-", "")
-        if unit.committed:
-            try:
-                record = reader.record(pid)
-                for r in range(record.world_size):
-                    reader.load(pid, r)
-                row.rank, row.status = f"0-{record.world_size - 1}", f"committed, {record.world_size} verified"
-            except (PayloadError, StoreError) as err:
-                row.status, row.ok = f"FAILED: {err}", False
-        else:
-            problem = _verify_uncommitted(store, pid, sorted(unit.markers))
-            row.rank = ",".join(map(str, sorted(unit.markers))) or "-"
-            row.status = f"uncommitted ({len(unit.markers)} done markers)"
-            if problem is not None:
-                row.status, row.ok = f"FAILED: {problem}", False
-        rows.append(row)
-    return rows + inspect_quarantine(store)
-
-
-def inspect_quarantine(store: ObjectStore) -> list[Row]:
-    """Rows for every unit set aside: ``_quarantine/`` (corrupt when a restore read it) and ``_superseded/``
-    (committed beyond a later launch's recovery point); neither is ever loaded."""
-    rows = []
-    for area, label in ((QUARANTINE, "quarantined"), (SUPERSEDED, "superseded")):
-        groups: dict[str, dict[str, int]] = {}
-        for key, size in store.list(area).items():
-            head, _, name = key[len(area):].rpartition("/")
-            groups.setdefault(head, {})[name] = size
-        for head, objects in sorted(groups.items()):
-            dirname, _, when = head.rpartition("/")
-            pid = PayloadId.from_dirname(dirname)
-            try:
-                reason = store.get(f"{area}{head}/REASON").decode(errors="replace")
-            except StoreError:
-                reason = "no reason recorded"
-            rows.append(Row("Tier-3", f"{store.url} {label}", "-", str(pid) if pid else dirname,
-                            sum(objects.values()), "-", f"{label} {when}: {reason} (never loaded)"))
-    return rows
 
 
 def render(rows: list[Row]) -> str:
@@ -218,17 +122,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 0
 
 
-def spans(numbers: list[int]) -> str:
-    """``0-3,8``: distinct integers as runs."""
-    runs: list[list[int]] = []
-    for n in sorted(set(numbers)):
-        if runs and n == runs[-1][1] + 1:
-            runs[-1][1] = n
-        else:
-            runs.append([n, n])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
@@ -247,7 +140,8 @@ def _payload_rows(sp: SizePlan) -> list[str]:
         sizes = (human(r.base), human(r.diff_batch // batch), human(r.diff_batch), human(r.step_unit) if r.step_unit
                  else "-")
         groups.setdefault((str(r.layout.pp_rank), f"{r.shard_numel:,}", *sizes), []).append(r)
-    rows = [(spans([r.layout.rank for r in group]), key[0], spans([r.layout.tp_rank for r in group]), *key[1:])
+    rows = [(step_ranges([r.layout.rank for r in group], sep=","), key[0],
+             step_ranges([r.layout.tp_rank for r in group], sep=","), *key[1:])
             for key, group in groups.items()]
     return _table(("ranks", "pp", "tp", "shard elements", "base", "diff step", "diff batch", "step unit"), rows)
 
@@ -278,8 +172,9 @@ def _node_rows(sp: SizePlan) -> list[str]:
     for n in range(sp.cluster.nodes):
         groups.setdefault((sp.node_bytes(n, "node"), sp.node_bytes(n, "node_bound")), []).append(n)
     ppn = sp.cluster.procs_per_node
-    rows = [(f"node{spans(nodes)}" if len(nodes) == 1 else f"nodes {spans(nodes)}",
-             spans([r for n in nodes for r in range(n * ppn, (n + 1) * ppn)]), human(typical), human(bound))
+    rows = [(f"node{step_ranges(nodes, sep=',')}" if len(nodes) == 1 else f"nodes {step_ranges(nodes, sep=',')}",
+             step_ranges([r for n in nodes for r in range(n * ppn, (n + 1) * ppn)], sep=","), human(typical),
+             human(bound))
             for (typical, bound), nodes in groups.items()]
     return _table(("nodes", "their ranks", "each, Tier-3 keeping up", "each, Tier-3 behind or down"), rows)
 

@@ -1,165 +1,21 @@
 """Simulate a multi-node cluster on one host: one torchrun agent per simulated node.
 
     megatier-launch --nodes 2 --procs-per-node 4 -- \\
-        pretrain_gpt.py model=tiny parallel.tp=2 parallel.pp=2 train.iters=20
-    python scripts/launch_local_cluster.py ...   (the same command)
+        -m megatier.train model=tiny parallel.tp=2 parallel.pp=2 train.iters=20
+    megatier-launch --nodes 2 --procs-per-node 1 -- pretrain_gpt.py model=tiny
 
-Agent i runs ``python -m torch.distributed.run --nnodes N --nproc-per-node M``
-with a c10d rendezvous on 127.0.0.1 at a free port and MEGATIER_NODE_NAME=node{i},
-so its processes believe they share node{i} (and, later, its Tier-1 memory;
-docs/architecture.md). The c10d rendezvous is what lets a later failure drill
-kill one agent (a node failure) while the others re-rendezvous.
-
-Global ranks are handed to agents by the rendezvous, so node{i} need not hold
-ranks i*M..; ParallelState orders nodes by name, which is what the ring uses.
-
-Exit status: the worst of the agents' (a signal death counts as 128 + signal).
-Ctrl-C or SIGTERM stops every agent and its workers. Once one agent fails,
-the others get --fail-grace-s seconds to finish before they are stopped, so a
-job whose peer died cannot hang on a rendezvous or collective.
+What runs after ``--`` is what torchrun runs (a script, or ``-m module``) with its arguments; each node's
+processes get MEGATIER_NODE_NAME=node{i} (:mod:`megatier.drill.cluster`). Exit status: the worst of the agents'
+(a signal death counts as 128 + signal). Ctrl-C or SIGTERM stops every agent and its workers.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import resource
 import signal
-import socket
-import subprocess
 import sys
-import time
 from typing import Optional
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, node_rank: int, port: int,
-                  run_id: str, max_restarts: int) -> list[str]:
-    """The torchrun command line of simulated node ``node_rank``."""
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(nodes), "--nproc-per-node", str(procs_per_node),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-        # Exactly one agent hosts the rendezvous store; the others are clients of it.
-        "--rdzv-conf", f"is_host={'true' if node_rank == 0 else 'false'}",
-        "--local-addr", "127.0.0.1", "--max-restarts", str(max_restarts),
-        *script_args,
-    ]
-
-
-def exit_status(returncode: int) -> int:
-    """Shell-style status: a death by signal s becomes 128 + s."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc; empty elsewhere)."""
-    out = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                # pid (comm) state ppid ...; comm may hold spaces, so split after the last ')'.
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid:
-            out.append(int(entry))
-    return out
-
-
-def _file_limit(size: int):
-    """A preexec function: files larger than ``size`` cannot be written (EFBIG instead of the default SIGXFSZ
-    kill), which the checkpoint tiers see as a full disk."""
-
-    def apply() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-
-    return apply
-
-
-def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class LocalCluster:
-    """N torchrun agents on this host, each in its own session so signals reach it only through us."""
-
-    def __init__(self, nodes: int, procs_per_node: int, script_args: list[str], *, port: Optional[int] = None,
-                 max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None,
-                 node_file_limit: Optional[dict[int, int]] = None):
-        if nodes < 1 or procs_per_node < 1:
-            raise ValueError(f"--nodes {nodes} and --procs-per-node {procs_per_node} must be >= 1")
-        if not script_args:
-            raise ValueError("nothing to run: put the training script and its overrides after --")
-        self.nodes, self.procs_per_node = nodes, procs_per_node
-        self.script_args = script_args
-        self.port = port or free_port()
-        self.run_id = f"megatier-{os.getpid()}-{self.port}"
-        self.max_restarts = max_restarts
-        self.node_env = node_env or {}  # extra environment of node i's agent and workers (fault drills)
-        # Largest file node i's processes may write, in bytes: a full disk for drills (writes fail with EFBIG).
-        self.node_file_limit = node_file_limit or {}
-        self.agents: list[subprocess.Popen] = []
-
-    def start(self) -> None:
-        for i in range(self.nodes):
-            cmd = agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node, node_rank=i,
-                                port=self.port, run_id=self.run_id, max_restarts=self.max_restarts)
-            env = dict(os.environ, **self.node_env.get(i, {}), MEGATIER_NODE_NAME=f"node{i}")
-            limit = self.node_file_limit.get(i)
-            self.agents.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                                preexec_fn=None if limit is None else _file_limit(limit)))
-
-    def workers(self, node: int) -> list[int]:
-        """The training processes of simulated node ``node`` (children of its agent)."""
-        return _children(self.agents[node].pid)
-
-    def wait(self, *, fail_grace_s: float, poll_s: float = 0.2, timeout_s: Optional[float] = None) -> int:
-        """Wait for every agent; returns the worst exit status (124 if ``timeout_s`` ran out first)."""
-        failed_at = None
-        deadline = time.monotonic() + timeout_s if timeout_s is not None else None
-        while True:
-            codes = [a.poll() for a in self.agents]
-            if all(c is not None for c in codes):
-                return max(exit_status(c) for c in codes)
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"launch_local_cluster: still running after {timeout_s:.0f}s; stopping every node",
-                      file=sys.stderr)
-                self.stop()
-                return 124
-            if failed_at is None and any(c not in (None, 0) for c in codes):
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() - failed_at > fail_grace_s:
-                print(f"launch_local_cluster: an agent failed; stopping the rest after {fail_grace_s:.0f}s",
-                      file=sys.stderr)
-                self.stop()
-            time.sleep(poll_s)
-
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every agent (torchrun then stops its workers); SIGKILL whatever is left after ``grace_s``."""
-        live = [a for a in self.agents if a.poll() is None]
-        # Workers run in sessions of their own: remember them now, while their agent can still be asked.
-        workers = [w for a in live for w in _children(a.pid)]
-        for a in live:
-            _signal_group(a.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(a.poll() is None for a in live):
-            time.sleep(0.1)
-        for pid in [a.pid for a in live] + workers:
-            _signal_group(pid, signal.SIGKILL)
-        for a in live:
-            a.wait()
+from megatier.drill.cluster import LocalCluster
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

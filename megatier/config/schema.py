@@ -39,7 +39,8 @@ class ModelConfig:
     # A Hugging Face GPT-2 directory (config.json + model.safetensors) of this shape to start from (fine-tuning):
     # the weights replace the initialisation before the optimizer copies them; Adam moments start at zero.
     init_from: Optional[str] = None
-    # The same GPT-2 function computed by other libraries (README, "GPU fast paths"; a relaunch may switch them):
+    # The same GPT-2 function computed by other libraries (docs/configuration.md, "GPU fast paths"; a relaunch may
+    # switch them):
     # the blocks "native" (torch) or "te" (Transformer Engine's LayerNormLinear, Linear and LayerNormMLP, which
     # fuse the blocks' LayerNorms); the LayerNorms not fused (all with native, the final one with te) "native" or
     # "apex" (NVIDIA apex's FusedLayerNorm). Both need CUDA.
@@ -190,7 +191,8 @@ class RemoteTierConfig:
 @dataclass
 class CheckFreeConfig:
     """checkpoint.last_resort=checkfree: a pipeline stage lost from every tier rebuilt from its two neighbours
-    (megatier.checkpoint.recover.checkfree; 002_*.txt section 4.2). Not exact: the run says so from then on."""
+    (megatier.checkpoint.recover.checkfree; CheckFree, arXiv:2506.15461, section 4.2). Not exact: the run says
+    so from then on."""
 
     # The rebuilt stage's lr is the schedule's times this factor from the recovery on (the paper's 1.1).
     lr_scale: float = 1.1
@@ -202,12 +204,12 @@ class CheckFreeConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Tiered checkpointing (docs/architecture.md); checked by megatier.config.checkpoint_validation."""
+    """Tiered checkpointing (docs/architecture.md); checked by megatier.checkpoint.policy.rules."""
 
     enabled: bool = False
     tiers: list[str] = field(default_factory=lambda: ["local", "peer", "remote"])
     # Steps between base checkpoints: a multiple of diff.batch, or "auto" (chosen after a warm-up from the
-    # measured costs and the MTBF; megatier.checkpoint.auto_interval, docs/goodput.md).
+    # measured costs and the MTBF; megatier.checkpoint.policy.auto_interval, docs/goodput.md).
     base_interval: Union[int, str] = 50
     # base_interval=auto: the cluster's mean time between failures in hours, or each node's (the cluster's is
     # then node_mtbf_hours / nodes); exactly one of the two. The warm-up (steps without a base after the

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from megatier.config.checkpoint_validation import check_checkpoint_config
 from megatier.config.fast_path_validation import check_fast_path_config
 from megatier.config.schema import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from megatier.config.schema import require as _require
@@ -134,5 +133,4 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     w = cfg.logging.wandb
     _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
                                                           "disabled")
-    check_checkpoint_config(cfg.checkpoint)
     check_fast_path_config(cfg, p.tp)

@@ -6,12 +6,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 from megatier.checkpoint.tiers.base import TIER1, TIER3
+from megatier.drill.spec import DrillSpec
 from megatier.observe.goodput import PARTS
 
 if TYPE_CHECKING:
-    from megatier.cli.drill import Job
-
-CLASSES = ("software", "node", "rack", "stage")
+    from megatier.drill.job import Job
 
 
 @dataclass
@@ -25,11 +24,6 @@ class Recovery:
     notes: list[str] = field(default_factory=list)
 
 
-def victims(args) -> list[int]:
-    """The node indices a failure of ``args.fail`` kills (a stage failure kills ranks, no node)."""
-    return list(range(args.nodes)) if args.fail == "rack" else [] if args.fail == "stage" else [args.victim]
-
-
 def max_steps_lost(fail: str, job: Job) -> Optional[int]:
     """What a failure class may lose: with step units, the step in flight (software) or the steps in flight to
     the ring peer too (node); without them, the open diff batch. A rack failure keeps the Tier-3 bound (None
@@ -41,14 +35,14 @@ def max_steps_lost(fail: str, job: Job) -> Optional[int]:
     return 1 if fail in ("software", "stage") else 2
 
 
-def _check_stage(args, job: Job, rec: Recovery) -> None:
+def _check_stage(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     """A stage failure: CheckFree rebuilt exactly that stage and says it is not exact; every other rank came
     from its own Tier-1 and nothing from Tier-3 (the rebuilt ranks read nothing)."""
-    r, per_stage = rec.record, args.nodes * args.procs_per_node // job.pp
-    lost = range(args.stage * per_stage, (args.stage + 1) * per_stage)
+    r, per_stage = rec.record, spec.nodes * spec.procs_per_node // job.pp
+    lost = range(spec.stage * per_stage, (spec.stage + 1) * per_stage)
     cf = r.get("checkfree")
-    if not cf or cf.get("stages") != [args.stage]:
-        rec.problems.append(f"stage {args.stage} lost every copy but the recovery record shows no CheckFree rebuild "
+    if not cf or cf.get("stages") != [spec.stage]:
+        rec.problems.append(f"stage {spec.stage} lost every copy but the recovery record shows no CheckFree rebuild "
                             f"of it (checkfree: {cf})")
     if r.get("exact") is not False:
         rec.problems.append("the recovery record does not say that a rebuilt stage is not exact")
@@ -60,16 +54,16 @@ def _check_stage(args, job: Job, rec: Recovery) -> None:
         rec.problems.append(f"stage failure read {r['bytes_tier3']} bytes from Tier-3; the others' Tier-1 serves it")
 
 
-def unit_nodes(args, record: dict) -> list[str]:
+def unit_nodes(spec: DrillSpec, record: dict) -> list[str]:
     """The node each rank's units were written on, by the rank that wrote them: where it runs now, or after a
     resharded restore (``rank_tiers`` then counts the old layout's ranks) where it ran before (torchrun
     numbers ranks node by node)."""
     if record.get("resharded"):
-        return [f"node{q // args.procs_per_node}" for q in range(len(record.get("rank_tiers") or []))]
+        return [f"node{q // spec.procs_per_node}" for q in range(len(record.get("rank_tiers") or []))]
     return list(record.get("rank_nodes") or [])
 
 
-def check_recovery(args, job: Job, rec: Recovery) -> None:
+def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     """Compare one recovery record with what its failure class requires; problems make the drill fail."""
     r = rec.record
     if r is None:
@@ -77,40 +71,40 @@ def check_recovery(args, job: Job, rec: Recovery) -> None:
         return
     lost = rec.at_step - r["end"]
     r["steps_lost_drill"] = lost  # from the step the drill killed at (Tier-1 progress may be wiped)
-    tiers, nodes = r.get("rank_tiers") or [], unit_nodes(args, r)
-    lost_nodes = {f"node{i}" for i in victims(args)}
-    if getattr(args, "no_spare", False) and not r.get("resharded"):
+    tiers, nodes = r.get("rank_tiers") or [], unit_nodes(spec, r)
+    lost_nodes = {f"node{i}" for i in spec.victims()}
+    if spec.no_spare and not r.get("resharded"):
         rec.problems.append("the job carried on without a spare node but its restore did not reshard")
-    bound = max_steps_lost(args.fail, job)
+    bound = max_steps_lost(spec.fail, job)
     if bound is not None and lost > bound:
         rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a "
-                            f"{args.fail} failure may lose at most {bound}")
-    if args.fail == "stage":
-        _check_stage(args, job, rec)
+                            f"{spec.fail} failure may lose at most {bound}")
+    if spec.fail == "stage":
+        _check_stage(spec, job, rec)
         return
-    if args.fail == "rack":
+    if spec.fail == "rack":
         wrong = [q for q, t in enumerate(tiers) if t != [TIER3]]
         if wrong or r["failure_class"] != "rack":
             rec.problems.append(f"rack failure: ranks {wrong} were not served from Tier-3 only "
                                 f"(class {r['failure_class']})")
         return
-    if args.corrupt and not any("base" in f and "xxh64" in f for f in r.get("fallbacks", [])):
+    if spec.corrupt and not any("base" in f and "xxh64" in f for f in r.get("fallbacks", [])):
         rec.problems.append("the corrupted Tier-1 base was not reported as a failed checksum in the fallbacks")
-    if args.corrupt:
+    if spec.corrupt:
         return  # the corrupted rank rightly reads its base from another tier
     for q, (t, node) in enumerate(zip(tiers, nodes)):
-        if node not in lost_nodes or args.fail == "software":
+        if node not in lost_nodes or spec.fail == "software":
             if t != [TIER1]:
                 rec.problems.append(f"rank {q} on surviving {node} was served from {t}, not its own Tier-1")
-        elif TIER1 in t and not getattr(args, "no_spare", False):
+        elif TIER1 in t and not spec.no_spare:
             # (Without a spare, its replica on a survivor is read by a rank there: that node's own memory.)
             rec.problems.append(f"rank {q} on the replaced {node} was served from Tier-1, which was wiped")
         elif TIER3 in t:
             rec.notes.append(f"rank {q} read from {t}: the newest base's Tier-2 replica was still in transfer "
                              f"(pick --at-step later in a base interval to exercise Tier-2)")
-    if args.fail == "software" and r["bytes_tier3"]:
+    if spec.fail == "software" and r["bytes_tier3"]:
         rec.problems.append(f"software failure read {r['bytes_tier3']} bytes from Tier-3; Tier-1 should serve it")
-    if args.fail == "node" and r["bytes_tier3"] and not rec.notes:
+    if spec.fail == "node" and r["bytes_tier3"] and not rec.notes:
         rec.problems.append(f"node failure read {r['bytes_tier3']} bytes from Tier-3")
 
 
@@ -182,13 +176,13 @@ def _checkfree_lines(r: dict) -> list[str]:
             f"the run differs from the one that failed from step {cf['at_step']} on (inexact_since in its metrics)"]
 
 
-def format_report(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
+def format_report(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: dict, status: int,
                   reference: Optional[dict], problems: list[str], stall: Optional[dict] = None) -> str:
     """The human-readable drill report."""
-    who = ("every node" if args.fail == "rack" else f"pipeline stage {args.stage}" if args.fail == "stage"
-           else f"node{args.victim}")
-    lines = [f"failure drill: {args.fail} failure ({who}) at step(s) {', '.join(map(str, args.at_step))} on "
-             f"{args.nodes} nodes x {args.procs_per_node} processes; job {job.job_id!r}, diff "
+    who = ("every node" if spec.fail == "rack" else f"pipeline stage {spec.stage}" if spec.fail == "stage"
+           else f"node{spec.victim_node}")
+    lines = [f"failure drill: {spec.fail} failure ({who}) at step(s) {', '.join(map(str, spec.at_steps))} on "
+             f"{spec.nodes} nodes x {spec.procs_per_node} processes; job {job.job_id!r}, diff "
              f"{job.compression} batch {job.batch}, {job.iters} steps; logs and tiers in {job.work}"
              + ("" if job.local_root.startswith(job.work) else f" (node memory in {job.local_root}, freed at exit)")]
     for i, rec in enumerate(recoveries, 1):
@@ -198,11 +192,11 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
             continue
         old = "old " if r.get("resharded") else ""
         sources = ", ".join(f"{old}rank {q}@{node}: {'+'.join(t) or '-'}"
-                            for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], unit_nodes(args, r))))
+                            for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], unit_nodes(spec, r))))
         lines += [
-            f"    class {r['failure_class']} (injected {args.fail}); base V={r['version']}, replayed to E={r['end']}, "
+            f"    class {r['failure_class']} (injected {spec.fail}); base V={r['version']}, replayed to E={r['end']}, "
             f"steps lost {r.get('steps_lost_drill')}" + (f" (at most {bound})" if (bound := max_steps_lost(
-                args.fail, job)) is not None else ""),
+                spec.fail, job)) is not None else ""),
             f"    source tier per rank: {sources}",
             *([f"    resharded (tp,pp,dp) {r['resharded']}: carried on without a spare node (the lost node's ranks "
                f"read from their replicas by ranks on the survivors: their own node's memory, so counted as tier1 "
@@ -220,7 +214,7 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
         lines.append(f"  metrics: {job.run_dir}/metrics.jsonl (the launch before each failure: metrics.<n>.jsonl)")
     lines += _stall_line(stall)
     lines += _goodput_line(final)
-    if reference is not None and getattr(args, "no_spare", False):
+    if reference is not None and spec.no_spare:
         got = recoveries[0].record.get("canonical_digest") if recoveries[0].record else None
         same = got == reference.get("canonical_digest")
         lines.append(f"  compare: fault-free run to E={reference.get('step')}: canonical digest "
@@ -239,18 +233,18 @@ def format_report(args, job: Job, recoveries: list[Recovery], final: dict, statu
     return "\n".join(lines)
 
 
-def final_problems(args, job: Job, recoveries: list[Recovery], final: dict, status: int,
+def final_problems(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: dict, status: int,
                    reference: Optional[dict]) -> list[str]:
     problems = [p for rec in recoveries for p in rec.problems]
     if status != 0 or final.get("step") != job.iters:
         problems.append(f"the recovered job did not finish: exit {status}, last summary step {final.get('step')} "
                         f"of {job.iters}; see the last launch log in {job.work}")
-    if reference is not None and getattr(args, "no_spare", False):
+    if reference is not None and spec.no_spare:
         got = recoveries[0].record.get("canonical_digest") if recoveries[0].record else None
         if job.compression == "fp32" and got != reference.get("canonical_digest"):
             problems.append(f"with lossless diffs the resharded state at E must equal the fault-free run's there; "
                             f"canonical digests {got} vs {reference.get('canonical_digest')}")
-    elif reference is not None and final and job.compression == "fp32" and args.fail != "stage" and \
+    elif reference is not None and final and job.compression == "fp32" and spec.fail != "stage" and \
             reference.get("state_digest") != final.get("state_digest"):
         problems.append("with lossless diffs (fp32) the recovered run must end bit-identical to the fault-free run; "
                         f"digests {final.get('state_digest')} vs {reference.get('state_digest')}")

@@ -42,7 +42,7 @@ from megatier.interop.gpt2_config import (
     read_gpt2_config,
     write_tokenizer,
 )
-from megatier.model.gpt import canonical_shapes
+from megatier.model.params import canonical_shapes
 
 # (MegaTier suffix, GPT-2 suffix, stored transposed in GPT-2) of every tensor of block i.
 _BLOCK = [("ln1.weight", "ln_1.weight", False), ("ln1.bias", "ln_1.bias", False),

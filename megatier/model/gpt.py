@@ -21,7 +21,6 @@ head), next to ``tp_partition_dim`` / ``tp_partition_stride``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,52 +30,17 @@ from torch import nn
 from megatier.config import ModelConfig
 from megatier.model import te_layers
 from megatier.model.fused import fused_layer_norm
-from megatier.optim.canonical import COPIES, canonical_name
-from megatier.optim.flat import ParamSpec
-from megatier.parallel.checkfree_plus import replicas_of
+from megatier.model.params import COPIES, VOCAB_PARAMS, StageSpec, canonical_name, padded_vocab_size
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     mark_partition,
-    shard_of_full,
 )
 from megatier.parallel.mappings import copy_to_region
 from megatier.seeding import derive_seed
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Round the vocabulary up so every tp rank holds an equal slice of a multiple of ``divisible_by``."""
-    multiple = divisible_by * tp
-    return ((vocab_size + multiple - 1) // multiple) * multiple
-
-
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """Global indices of the layers on pipeline stage ``pp_rank`` (see the module docstring)."""
-    base, extra = divmod(num_layers, pp)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (1 if pp_rank < extra else 0))
-
-
-def stage_spec(cfg: ModelConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int) -> "StageSpec":
-    """What pipeline stage ``pp_rank`` of ``pp`` holds on tp rank ``tp_rank`` (layers, ends, replicas)."""
-    return StageSpec(stage_layers(cfg.num_layers, pp, pp_rank), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
-                     replicas_of(cfg.pipeline_order, pp, pp_rank))
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Which part of the model this rank holds."""
-
-    layers: range
-    is_first: bool
-    is_last: bool
-    tp_rank: int = 0
-    tp: int = 1
-    # Copies of a neighbouring stage's parameters this stage keeps (CheckFree+: "pos" and/or "final_norm";
-    # megatier.parallel.checkfree_plus.replicas_of). They are trained as copies: same gradient, same update.
-    replicas: tuple[str, ...] = ()
+from megatier.slicing import shard_of_full
 
 
 class Attention(nn.Module):
@@ -205,8 +169,10 @@ class GPTStage(nn.Module):
         self._record_full_shapes()
 
     def _record_full_shapes(self) -> None:
-        """param.full_shape = the full, unsharded, unpadded shape (vocab rows cut back to the true vocabulary)."""
+        """param.full_shape = the full, unsharded, unpadded shape (vocab rows cut back to the true vocabulary);
+        param.copy_of = the parameter a copy holds ("" for one of its own; megatier.model.params.COPIES)."""
         for name, param in self.named_parameters():
+            param.copy_of = COPIES.get(name, "")
             shape = list(param.shape)
             if param.tp_partition_dim is not None:
                 shape[param.tp_partition_dim] *= self.spec.tp
@@ -262,16 +228,6 @@ class GPTStage(nn.Module):
         return [self.word.weight] if self.spec.is_first else [self.head_weight]
 
 
-# Parameters with one row per vocabulary id; padded to padded_vocab_size rows in a GPTStage.
-VOCAB_PARAMS = ("word.weight", "head_weight")
-
-
-def copies_among(names) -> set[str]:
-    """The names of parameters that copy another stage's (the tied head, CheckFree+'s replicas): left out of the
-    gradient norm and of the canonical state, which count their sources."""
-    return {n for n in names if n in COPIES}
-
-
 def shard_for(model: GPTStage, name: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's slice of parameter ``name`` from its full, unpadded tensor (``full_shape``).
 
@@ -323,57 +279,3 @@ def init_weights(model: GPTStage, seed: int) -> None:
     for name, param in model.named_parameters():
         full = _initial_full(model.cfg, canonical_name(name), param.full_shape, seed)
         param.copy_(shard_for(model, name, full))
-
-
-def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Name -> full, unpadded shape of every parameter of the whole model (a pp=1 stage; no head_weight)."""
-    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    shapes = {"word.weight": (vocab_size, h), "pos.weight": (cfg.max_position_embeddings, h)}
-    per_layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
-                 "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "ln2.weight": (h,), "ln2.bias": (h,),
-                 "mlp.fc.weight": (ffn, h), "mlp.fc.bias": (ffn,), "mlp.proj.weight": (h, ffn),
-                 "mlp.proj.bias": (h,)}
-    for i in range(cfg.num_layers):
-        shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
-    shapes.update({"final_norm.weight": (h,), "final_norm.bias": (h,)})
-    return shapes
-
-
-# How the parallel layers cut each parameter across tp ranks, (dim, stride) by name (a layer's without its
-# "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (the fused qkv in 3 blocks),
-# RowParallelLinear input columns (its bias replicated), the vocabulary embedding and the head vocabulary rows.
-TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
-             "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1)}
-
-
-def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list[ParamSpec]:
-    """The parameters of ``GPTStage(cfg, vocab_size, spec)`` in its order (the flat buffer's), with this tp rank's
-    shapes, without building it: what a size plan needs for a model that does not fit here. Equal to the
-    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape) (tested)."""
-    full = canonical_shapes(cfg, vocab_size)
-    names = [n for n in full if n.startswith("layers.") and int(n.split(".")[1]) in spec.layers]
-    if spec.is_first:
-        names = ["word.weight", "pos.weight"] + names
-    if spec.is_last:
-        names += ["final_norm.weight", "final_norm.bias"]
-    if spec.is_last and not spec.is_first:
-        names = ["head_weight"] + names  # a parameter of the stage itself: named before its submodules'
-    if "pos" in spec.replicas:
-        names += ["pos_replica.weight"]
-    if "final_norm" in spec.replicas:
-        names += ["final_norm_replica.weight", "final_norm_replica.bias"]
-    padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
-    out = []
-    for name in names:
-        full_shape = full[canonical_name(name)]
-        tp_dim, stride = TP_SPLITS.get(name.split(".", 2)[-1] if name.startswith("layers.") else name, (None, 1))
-        shape = [padded, *full_shape[1:]] if name in VOCAB_PARAMS else list(full_shape)
-        if tp_dim is not None:
-            shape[tp_dim] //= spec.tp
-        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape))
-    return out
-
-
-def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
-    """Parameters of the whole (unsharded) model with tied embeddings."""
-    return sum(math.prod(shape) for shape in canonical_shapes(cfg, vocab_size).values())

@@ -15,11 +15,12 @@ Nothing else is needed: not the model, not the config, not the old world.
 
 The *canonical state* is ``{name: {kind: full tensor}}`` for kind in
 :data:`STATE_KINDS`, keyed by the names of a pp=1 model (global layer indices,
-so the same under every pp). A *copy* (:data:`COPIES`) is not a name of its
-own: ``head_weight``, the last stage's copy of the tied word embedding when
-pp > 1, is ``word.weight``, and CheckFree+'s replicas on the neighbouring
-stages are ``pos.weight`` and ``final_norm.*`` (each copy gets the same
-gradients as its source and stays bitwise equal to it).
+so the same under every pp). A *copy* is not a name of its own: its segments
+name their source (``ShardSegment.source``; ``head_weight``, the last stage's
+copy of the tied word embedding when pp > 1, is ``word.weight``, and
+CheckFree+'s replicas on the neighbouring stages are ``pos.weight`` and
+``final_norm.*``), and each copy gets the same gradients as its source and
+stays bitwise equal to it.
 
 - :func:`shard_pieces` cuts one shard into pieces (name, full indices, values),
 - :func:`assemble` puts the pieces of a set of shards together (and checks
@@ -41,23 +42,13 @@ import torch
 import xxhash
 
 from megatier.optim.flat import ShardSegment
-from megatier.parallel.layers import shard_of_full
+from megatier.slicing import shard_of_full
 
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
-# Parameters that hold a copy of another stage's parameter -> the canonical parameter they copy: the tied output
-# head (pp > 1) and CheckFree+'s replicas of the embedding's positions and the final LayerNorm
-# (megatier.parallel.checkfree_plus).
-COPIES = {"head_weight": "word.weight", "pos_replica.weight": "pos.weight",
-          "final_norm_replica.weight": "final_norm.weight", "final_norm_replica.bias": "final_norm.bias"}
 
 
 class ReshardError(ValueError):
     """Shards that cannot be placed in (or cut from) the canonical state; the message names what and the fix."""
-
-
-def canonical_name(name: str) -> str:
-    """The canonical parameter a parameter (or segment) name holds: a copy's source, else the name itself."""
-    return COPIES.get(name, name)
 
 
 def full_index(seg: ShardSegment, tp_rank: int, tp: int) -> torch.Tensor:
@@ -102,17 +93,18 @@ def shard_pieces(shard: ShardState, *, primary_only: bool = True, with_copies: b
     """The shard's elements as pieces of canonical parameters, padding left out.
 
     ``primary_only``: skip elements another shard holds too (tp-replicated parameters on tp ranks > 0 and, unless
-    ``with_copies``, the :data:`COPIES`), so a set of shards covering a model gives every element exactly once.
+    ``with_copies``, the copies of another parameter), so a set of shards covering a model gives every element
+    exactly once.
     """
     pieces = []
     for seg in shard.segments:
-        copy = seg.name in COPIES and not with_copies
+        copy = bool(seg.source) and not with_copies
         if primary_only and (copy or (seg.tp_dim is None and shard.tp_rank > 0)):
             continue
         index = full_index(seg, shard.tp_rank, shard.tp)
         keep = index >= 0
         values = {k: shard.tensors[k][seg.shard_offset:seg.shard_offset + seg.numel][keep] for k in STATE_KINDS}
-        pieces.append(Piece(canonical_name(seg.name), tuple(seg.full_shape), index[keep], values))
+        pieces.append(Piece(seg.canonical, tuple(seg.full_shape), index[keep], values))
     return pieces
 
 
@@ -150,7 +142,7 @@ def _positions(segments: Sequence[ShardSegment], indices: Sequence[torch.Tensor]
     out: dict[str, torch.Tensor] = {}
     for seg, index in zip(segments, indices):
         keep = index >= 0
-        pos = out.setdefault(canonical_name(seg.name),
+        pos = out.setdefault(seg.canonical,
                              torch.full((math.prod(seg.full_shape),), -1, dtype=torch.int64))
         pos[index[keep]] = seg.shard_offset + torch.nonzero(keep).squeeze(1)
     return out
@@ -176,7 +168,7 @@ def place(pieces: Sequence[Piece], segments: Sequence[ShardSegment], tp_rank: in
     hits = torch.zeros(shard_size, dtype=torch.int32)
     indices = [full_index(seg, tp_rank, tp) for seg in segments]
     where = _positions(segments, indices)
-    shapes = {canonical_name(s.name): tuple(s.full_shape) for s in segments}
+    shapes = {s.canonical: tuple(s.full_shape) for s in segments}
     for p in pieces:
         if p.name in shapes and p.full_shape != shapes[p.name]:
             raise ReshardError(f"{p.name} is {p.full_shape} in the checkpoint and {shapes[p.name]} in this model; "
@@ -193,7 +185,7 @@ def place(pieces: Sequence[Piece], segments: Sequence[ShardSegment], tp_rank: in
         held = hits[seg.shard_offset:seg.shard_offset + seg.numel][index >= 0]
         if not bool((held == 1).all()):
             missing, doubled = int((held == 0).sum()), int((held > 1).sum())
-            raise ReshardError(f"{canonical_name(seg.name)}: {missing} of {held.numel()} elements of this shard "
+            raise ReshardError(f"{seg.canonical}: {missing} of {held.numel()} elements of this shard "
                                f"are missing from the checkpoint and {doubled} came twice; a rank's shard is missing "
                                f"or the checkpoint was written for another model")
     return out

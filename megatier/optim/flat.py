@@ -25,11 +25,14 @@ class Segment:
     that another rank already counts (tp-replicated params on tp ranks > 0, the
     last stage's copy of the tied embedding).
     ``tp_dim`` / ``tp_stride``: how the full tensor is cut across tp ranks
-    (``megatier.parallel.layers.shard_of_full``; dim None: replicated).
+    (:func:`megatier.slicing.shard_of_full`; dim None: replicated).
     ``full_shape``: the full, unsharded tensor without vocabulary padding;
     ``shape`` is this tp rank's slice of the padded full tensor. Together with
     the layout's tp coordinates they place every element in the full tensor
-    (``megatier.checkpoint.format.canonical``).
+    (:mod:`megatier.optim.canonical`).
+    ``source``: the parameter this one is a copy of (the tied head of a later
+    stage, CheckFree+'s replicas; ``megatier.model.params.COPIES``), "" for a
+    parameter of its own. A copy is trained like its source and counted once.
     """
 
     name: str
@@ -41,6 +44,7 @@ class Segment:
     tp_dim: Optional[int] = None
     tp_stride: int = 1
     full_shape: tuple[int, ...] = ()
+    source: str = ""
 
     @property
     def end(self) -> int:
@@ -65,6 +69,12 @@ class ShardSegment:
     tp_dim: Optional[int] = None
     tp_stride: int = 1
     full_shape: tuple[int, ...] = ()  # (): written before segment tables carried it (not reshardable)
+    source: str = ""  # the parameter this one copies ("" for its own; see Segment)
+
+    @property
+    def canonical(self) -> str:
+        """The name of the parameter whose elements this segment holds: its source, or its own name."""
+        return self.source or self.name
 
     def to_dict(self) -> dict:
         """Its fields by name (every value a scalar or a tuple of ints, so no deep copy: ``asdict``'s took 12 us
@@ -89,6 +99,7 @@ class ParamSpec(NamedTuple):
     tp_dim: Optional[int]
     tp_stride: int
     full_shape: tuple[int, ...]
+    source: str = ""  # the parameter this one copies (see Segment)
 
 
 class FlatLayout:
@@ -102,24 +113,27 @@ class FlatLayout:
         self.dp = dp
 
     @classmethod
-    def from_module(cls, module: nn.Module, dp: int, *, tp_rank: int, shared_copies: set[str]) -> "FlatLayout":
+    def from_module(cls, module: nn.Module, dp: int, *, tp_rank: int) -> "FlatLayout":
+        """The layout of a module's parameters, as they describe themselves (``tp_partition_dim`` and
+        ``_stride``, ``full_shape``, ``copy_of``)."""
         params = [ParamSpec(name, tuple(p.shape), p.tp_partition_dim, getattr(p, "tp_partition_stride", 1),
-                            tuple(getattr(p, "full_shape", p.shape if p.tp_partition_dim is None else ())))
+                            tuple(getattr(p, "full_shape", p.shape if p.tp_partition_dim is None else ())),
+                            getattr(p, "copy_of", ""))
                   for name, p in module.named_parameters()]
-        return cls.from_params(params, dp, tp_rank=tp_rank, shared_copies=shared_copies)
+        return cls.from_params(params, dp, tp_rank=tp_rank)
 
     @classmethod
-    def from_params(cls, params: Iterable[ParamSpec], dp: int, *, tp_rank: int,
-                    shared_copies: set[str]) -> "FlatLayout":
+    def from_params(cls, params: Iterable[ParamSpec], dp: int, *, tp_rank: int) -> "FlatLayout":
         """The layout of parameters in flat order: a module's, or a stage's described without building it
-        (``megatier.model.gpt.stage_parameters``, for a size plan)."""
+        (``megatier.model.params.stage_parameters``, for a size plan)."""
         segments, offset = [], 0
         for p in params:
             replicated = p.tp_dim is None
-            in_norm = not (replicated and tp_rank > 0) and p.name not in shared_copies
+            in_norm = not (replicated and tp_rank > 0) and not p.source
             numel = math.prod(p.shape)
             segments.append(Segment(p.name, offset, numel, p.shape, decay=len(p.shape) >= 2, in_norm=in_norm,
-                                    tp_dim=p.tp_dim, tp_stride=p.tp_stride, full_shape=p.full_shape))
+                                    tp_dim=p.tp_dim, tp_stride=p.tp_stride, full_shape=p.full_shape,
+                                    source=p.source))
             offset += numel
         return cls(segments, dp)
 
@@ -135,7 +149,7 @@ class FlatLayout:
             start, end = max(s.offset, lo), min(s.end, hi)
             if start < end:
                 out.append(ShardSegment(s.name, start - lo, start - s.offset, end - start, s.shape, s.decay,
-                                        s.in_norm, s.tp_dim, s.tp_stride, s.full_shape))
+                                        s.in_norm, s.tp_dim, s.tp_stride, s.full_shape, s.source))
         return out
 
 

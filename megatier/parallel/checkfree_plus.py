@@ -1,4 +1,4 @@
-"""CheckFree+ (002_*.txt section 4.3): what ``model.pipeline_order=checkfree_plus`` adds besides its routes.
+"""CheckFree+ (arXiv:2506.15461, section 4.3): what ``model.pipeline_order=checkfree_plus`` adds besides its routes.
 
 The odd micro-batches of every step take the swapped route (:mod:`.route_schedule`),
 so stage 1's layers learn to stand in for stage 0's and stage P-2's for stage
@@ -20,7 +20,6 @@ one transfer of their gradients per step; the paper's Table 1 counts O(E).
 """
 from __future__ import annotations
 
-from megatier.optim.canonical import COPIES
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.parallel.p2p import PipelineComm
 
@@ -29,6 +28,9 @@ PIPELINE_ORDERS = ("standard", "checkfree_plus")
 _REPLICA_HOLDERS = {"pos": 1, "final_norm": -2}
 _REPLICA_PARAMS = {"pos": ("pos_replica.weight",), "final_norm": ("final_norm_replica.weight",
                                                                   "final_norm_replica.bias")}
+# Each replica parameter -> the parameter it copies (part of megatier.model.params.COPIES).
+REPLICA_SOURCES = {"pos_replica.weight": "pos.weight", "final_norm_replica.weight": "final_norm.weight",
+                   "final_norm_replica.bias": "final_norm.bias"}
 
 
 def replicas_of(pipeline_order: str, pp: int, stage: int) -> tuple[str, ...]:
@@ -67,7 +69,7 @@ def sync_replica_grads(grads: GradBuffer, comm: PipelineComm, pipeline_order: st
         holder, source = holder % pp, _source_stage(kind, pp)
         for name in _REPLICA_PARAMS[kind]:
             if me == source:
-                posted.append(comm.isend_to(holder, grads.view_of(COPIES[name])))
+                posted.append(comm.isend_to(holder, grads.view_of(REPLICA_SOURCES[name])))
             elif me == holder:
                 view = grads.view_of(name)
                 view.copy_(comm.recv_from(source, tuple(view.shape)).view_as(view))

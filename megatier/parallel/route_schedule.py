@@ -1,4 +1,4 @@
-"""Route schedules: each micro-batch takes its own route through the stages' parts (CheckFree+, 002_*.txt 4.3).
+"""Route schedules: each micro-batch takes its own route through the stages' parts (CheckFree+, arXiv:2506.15461, 4.3).
 
 A route is the sequence of hops (stage, part) one micro-batch takes, a part being
 a stage's ``embed``, ``layers`` or ``head`` (:class:`~megatier.model.gpt.GPTStage`).

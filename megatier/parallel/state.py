@@ -56,7 +56,7 @@ class ParallelState(Layout):
     node_index: int
     num_nodes: int
     local_rank: int
-    # Ring peer (DESIGN.md 4): same local rank on node (n + 1) % nodes holds our replica;
+    # Ring peer (docs/architecture.md): same local rank on node (n + 1) % nodes holds our replica;
     # we hold the replica of the same local rank on node (n - 1) % nodes.
     replica_holder_rank: Optional[int]
     replica_owner_rank: Optional[int]

@@ -27,14 +27,16 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
-from megatier.config import Config, ConfigError, effective_checkpoint_config, validate
+from megatier.checkpoint.policy.rules import check_checkpoint_config, effective_checkpoint_config
+from megatier.config import Config, ConfigError, validate
 from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
 from megatier.faults import CrashPoint, FaultInjector
 from megatier.interop.gpt2 import load_gpt2
-from megatier.model.gpt import GPTStage, copies_among, init_weights, load_full_state, stage_spec
+from megatier.model.gpt import GPTStage, init_weights, load_full_state
+from megatier.model.params import stage_spec
 from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
 from megatier.observe.goodput import GoodputLedger, NullLedger
 from megatier.observe.metrics import MetricsLogger, NullLogger
@@ -76,6 +78,7 @@ class Trainer:
         started = time.time()  # the launch holds its machines from here on (goodput's wall time)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size)  # every group, before any side effect
+        check_checkpoint_config(cfg.checkpoint)
         self.device = _pick_device(cfg.train.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -144,8 +147,7 @@ class Trainer:
                 log.info("model.init_from: initialised the %s model from the Hugging Face GPT-2 at %s "
                          "(a restored checkpoint replaces it)", m.name, m.init_from)
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
-        shared = copies_among(name for name, _ in self.model.named_parameters())
-        self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, shared_copies=shared)
+        self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank)
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
         self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group)
         self.comm = None

@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from megatier.cli.drill import first_error, make_job, read_metrics  # noqa: E402
-from megatier.cli.launch import LocalCluster  # noqa: E402
+from megatier.drill.cluster import LocalCluster  # noqa: E402
+from megatier.drill.job import first_error, make_job, read_metrics, trainer_command  # noqa: E402
 from tools.chaos.catalogue import CATALOGUE, Damage, FaultType  # noqa: E402
 from tools.chaos.s3_proxy import S3FaultProxy  # noqa: E402
 
@@ -117,7 +117,7 @@ class Campaign:
 
     def _launch(self, name: str, *, env: dict, file_limit: dict, s3_rule=None) -> int:
         log_path = os.path.join(self.job.work, f"{name}.log")
-        script = [str(REPO / "pretrain_gpt.py"), *self.job.overrides]
+        script = trainer_command(self.job.overrides)
         with open(log_path, "w") as log:
             saved = os.dup(1), os.dup(2)
             os.dup2(log.fileno(), 1)
@@ -153,8 +153,8 @@ class Campaign:
         def second() -> None:
             time.sleep(6.0)
             cmd = [sys.executable, "-m", "megatier.cli.launch", "--nodes", str(self.nodes), "--procs-per-node",
-                   str(self.procs), "--fail-grace-s", "5", "--", str(REPO / "pretrain_gpt.py"), *self.job.overrides,
-                   f"logging.run_dir={self.job.work}/second-run"]
+                   str(self.procs), "--fail-grace-s", "5", "--",
+                   *trainer_command([*self.job.overrides, f"logging.run_dir={self.job.work}/second-run"])]
             with open(log_path, "w") as log:
                 status = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=self.timeout_s,
                                         cwd=REPO).returncode

@@ -13,7 +13,7 @@ from megatier.checkpoint.commit.records import (
     marker_key,
 )
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.tiers.store import ObjectNotFound, ObjectStore
+from megatier.checkpoint.storage.store import ObjectNotFound, ObjectStore
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 

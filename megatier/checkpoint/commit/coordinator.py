@@ -40,8 +40,8 @@ from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import remote_reclaim_set
+from megatier.checkpoint.storage.store import ObjectStore, StoreError
 from megatier.checkpoint.threads import helper_thread
-from megatier.checkpoint.tiers.store import ObjectStore, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)

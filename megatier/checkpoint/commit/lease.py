@@ -38,8 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
+from megatier.checkpoint.storage.store import ObjectNotFound, ObjectStore, RetryPolicy, StoreError, retry_call
 from megatier.checkpoint.threads import helper_thread
-from megatier.checkpoint.tiers.store import ObjectNotFound, ObjectStore, RetryPolicy, StoreError, retry_call
 
 log = logging.getLogger(__name__)
 PREFIX = "_owner/"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from megatier.checkpoint.commit.records import CommitRecord, commit_key, list_units
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError, verify_payload
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.tiers.store import ObjectNotFound, ObjectStore
+from megatier.checkpoint.storage.store import ObjectNotFound, ObjectStore
 
 
 class RemoteReader:

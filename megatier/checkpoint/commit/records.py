@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from megatier.checkpoint.format.payload import FORMAT, JsonRecord, PayloadError, Stamp
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId, rank_name
-from megatier.checkpoint.tiers.store import ObjectStore
+from megatier.checkpoint.storage.store import ObjectStore
 
 COMMITTED = "_COMMITTED"
 _MARKER = re.compile(r"^rank(\d{5})\.done\.json$")

@@ -24,8 +24,8 @@ from typing import Callable, Optional, TypeVar
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
 from megatier.checkpoint.format.payload import EncodedPayload
 from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.threads import helper_thread
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 T = TypeVar("T")

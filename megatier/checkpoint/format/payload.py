@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
-from megatier.checkpoint.tiers.store import Buffer
+from megatier.checkpoint.storage.store import Buffer
 from megatier.parallel.layout import Layout
 
 FORMAT = 1

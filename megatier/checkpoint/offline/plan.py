@@ -30,12 +30,17 @@ import torch
 
 from megatier import ops
 from megatier.checkpoint.format.payload import DiffStep, draft_base, draft_diff_batch
+from megatier.checkpoint.policy.rules import (
+    CheckpointConfigWarning,
+    check_checkpoint_config,
+    effective_checkpoint_config,
+)
 from megatier.checkpoint.shard import ShardAccess
-from megatier.config import CheckpointConfig, CheckpointConfigWarning, Config, effective_checkpoint_config, validate
+from megatier.config import CheckpointConfig, Config, validate
 from megatier.data.corpus import default_corpus_prefix
 from megatier.data.indexed import read_index
 from megatier.data.tokenizer import ByteTokenizer
-from megatier.model.gpt import copies_among, stage_parameters, stage_spec
+from megatier.model.params import stage_parameters, stage_spec
 from megatier.optim.flat import FlatLayout, ShardSegment
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
@@ -154,8 +159,7 @@ def shard_segments(cfg: Config, layout: Layout, vocab: int) -> tuple[list[ShardS
     """The segment table and element count of ``layout``'s ZeRO-1 shard, as the Trainer would build them."""
     spec = stage_spec(cfg.model, tp=layout.tp, pp=layout.pp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
     params = stage_parameters(cfg.model, vocab, spec)
-    flat = FlatLayout.from_params(params, layout.dp, tp_rank=layout.tp_rank,
-                                  shared_copies=copies_among(p.name for p in params))
+    flat = FlatLayout.from_params(params, layout.dp, tp_rank=layout.tp_rank)
     return flat.shard_segments(layout.dp_rank), flat.shard_size
 
 
@@ -233,6 +237,7 @@ def plan(cfg: Config, cluster: Cluster) -> SizePlan:
         raise PlanError(f"{cluster.nodes} nodes x {cluster.procs_per_node} processes: both must be >= 1")
     try:
         validate(cfg, cluster.world_size)
+        check_checkpoint_config(cfg.checkpoint)
     except ValueError as e:
         raise PlanError(str(e)) from e
     if not cfg.checkpoint.enabled:

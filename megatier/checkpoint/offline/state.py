@@ -31,12 +31,12 @@ from typing import Iterable, Optional
 
 from megatier.checkpoint.format.chain import reachable, replay_ends
 from megatier.checkpoint.format.units import BASE
+from megatier.checkpoint.offline.tiers import UNREADABLE, ExportError, Holdings, OfflineTiers, where
 from megatier.checkpoint.recover.consensus import Consensus, by_layout, consensus_at, decide, held_per_rank
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.reshard import OldShard
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import Copy
-from megatier.cli.offline_tiers import UNREADABLE, ExportError, Holdings, OfflineTiers, where
 from megatier.config import ModelConfig, OptimConfig
 from megatier.optim.canonical import STATE_KINDS, ReshardError, ShardState, assemble, shard_pieces
 from megatier.parallel.layout import layout_str
@@ -45,15 +45,15 @@ Degrees = tuple[int, int, int]
 NO_LAYOUT: Degrees = (0, 0, 0)  # matches no layout: decide() then prefers the newest base among equal ends
 
 
-def step_ranges(steps: Iterable[int]) -> str:
-    """``0-8, 12, 14-16``: sorted steps as runs."""
+def step_ranges(steps: Iterable[int], sep: str = ", ") -> str:
+    """``0-8, 12, 14-16``: distinct integers (steps, ranks, nodes) as sorted runs."""
     runs: list[list[int]] = []
     for s in sorted(set(steps)):
         if runs and s == runs[-1][1] + 1:
             runs[-1][1] = s
         else:
             runs.append([s, s])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def reachable_points(copies: Iterable[Copy], job_id: str) -> dict[Degrees, dict[int, set[int]]]:

@@ -26,11 +26,11 @@ from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import list_units
 from megatier.checkpoint.format.payload import PayloadError, decode_base, decode_diff_batch
 from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, TIER_ORDER, Copy
 from megatier.checkpoint.tiers.local import list_area
 from megatier.checkpoint.tiers.node_memory import NodeMemory, read_fingerprints
 from megatier.checkpoint.tiers.remote import FINGERPRINTS, list_committed, open_remote_store
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
 from megatier.config import ConfigError
 
 # Exit statuses of the conversion commands (the module docstring of megatier.cli.convert says when).

@@ -14,7 +14,7 @@ during ``auto_warmup_steps`` steps. Meanwhile every rank measures (:class:`CostM
 
 At the last warm-up step every rank gathers every rank's figures, and all
 take the same decision from the worst rank's (:func:`decide`):
-:func:`~megatier.checkpoint.interval.choose_interval` with the cluster MTBF
+:func:`~megatier.checkpoint.policy.interval.choose_interval` with the cluster MTBF
 (``mtbf_hours``, or ``node_mtbf_hours`` / nodes), at least the warm-up plus
 ``capture_steps`` (the first base's capture starts after the decision), at
 most ``auto_max_interval``. Bases then fall at anchor + m * N for the rest of
@@ -29,16 +29,16 @@ from typing import Optional
 import torch
 
 from megatier import ops
-from megatier.checkpoint.interval import IntervalChoice, IntervalCosts, choose_interval, failures_per_step
+from megatier.checkpoint.policy.interval import IntervalChoice, IntervalCosts, choose_interval, failures_per_step
+from megatier.checkpoint.policy.rules import auto_min_interval
 from megatier.config import CheckpointConfig
-from megatier.config.checkpoint_validation import auto_min_interval
 
 REPLAY_SAMPLE = 1 << 20  # elements of the shard the replay is timed on
 REPLAY_STEPS = 4
 
 
 def provisional_interval(cfg: CheckpointConfig) -> int:
-    """The smallest interval ``auto`` may choose (:func:`~megatier.config.checkpoint_validation.auto_min_interval`);
+    """The smallest interval ``auto`` may choose (:func:`~megatier.checkpoint.policy.rules.auto_min_interval`);
     until the decision it stands in wherever a number is needed (Tier-2 pacing)."""
     return auto_min_interval(cfg)
 

@@ -1,6 +1,6 @@
 """The base interval that maximises goodput (``checkpoint.base_interval=auto``): the model and its optimum.
 
-GoCkpt (004_*.txt section 3.1) takes the classic view: a failure loses the
+GoCkpt (arXiv:2511.07035, section 3.1) takes the classic view: a failure loses the
 work since the last checkpoint, on average half an interval of N steps, so the
 overhead per step is T_ckpt / N + p N T_step / 2 and N* = sqrt(2 T_ckpt /
 (p T_step^2)) in its units. MegaTier keeps a diff every step: a failure loses

@@ -41,8 +41,8 @@ from megatier.checkpoint.format.payload import (
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.consensus import Consensus, cascade
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, raise_fatal
+from megatier.checkpoint.storage.store import StoreError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy, Tier
-from megatier.checkpoint.tiers.store import StoreError
 from megatier.parallel.layout import Layout, coordinates_of
 
 log = logging.getLogger(__name__)

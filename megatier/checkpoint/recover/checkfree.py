@@ -1,4 +1,4 @@
-"""CheckFree (002_*.txt, section 4.2): a pipeline stage lost from every tier, rebuilt from its two neighbours.
+"""CheckFree (arXiv:2506.15461, section 4.2): a pipeline stage lost from every tier, rebuilt from its two neighbours.
 
 The last resort of ``checkpoint.last_resort=checkfree``. Consensus found stages
 none of whose ranks holds a base anywhere and agreed V and E among the other
@@ -30,7 +30,7 @@ Then, collectively, before the parameters are published (:func:`rebuild`):
 
 The first and last stage hold the embedding and the output head, so CheckFree
 alone cannot rebuild them. A job trained with ``model.pipeline_order=checkfree_plus``
-(002_*.txt section 4.3, :mod:`megatier.parallel.checkfree_plus`) can: the lost
+(arXiv:2506.15461, section 4.3, :mod:`megatier.parallel.checkfree_plus`) can: the lost
 end stage's layers become a copy of its *stand-in* (stage 1 for stage 0, P-2
 for P-1: the swap partner that learned to do its job), and every parameter of a
 lost stage that is not a transformer layer (the word embedding, positions, final
@@ -59,7 +59,8 @@ from megatier.checkpoint.recover.consensus import Consensus, stage_of
 from megatier.checkpoint.recover.inventory import RecoveryError, raise_fatal
 from megatier.checkpoint.recover.reshard import pack_pieces, unpack_pieces
 from megatier.checkpoint.shard import ShardAccess
-from megatier.optim.canonical import Piece, ShardState, canonical_name, place, positions, select, shard_pieces
+from megatier.model.params import canonical_name
+from megatier.optim.canonical import Piece, ShardState, place, positions, select, shard_pieces
 from megatier.optim.flat import ShardSegment
 from megatier.parallel.checkfree_plus import has_stand_ins, stand_in
 

@@ -1,6 +1,6 @@
 """Recovery consensus: the base V and the end E every rank can reach, and the cheapest copy of each unit.
 
-Consensus (:func:`decide`, 000_*.txt section 3.3), a pure function of the
+Consensus (:func:`decide`; TierCheck, arXiv:2605.17821, section 3.3), a pure function of the
 merged inventory, so every rank computes the same answer:
 - V is the newest base version that *every* rank 0..world-1 has in some tier.
   The paper phrases it as a global minimum of per-rank maxima; taking the

@@ -1,4 +1,4 @@
-"""Recovery path: ``restore()`` before the training loop (000_*.txt section 3.3).
+"""Recovery path: ``restore()`` before the training loop (TierCheck, arXiv:2605.17821, section 3.3).
 
 Collective over every rank, in four phases:
 
@@ -46,8 +46,8 @@ from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, last
 from megatier.checkpoint.recover.record import recovery_record
 from megatier.checkpoint.recover.reshard import Rebuilder, assign, describe, exchange, reshard_label
 from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.storage.store import StoreError
 from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2
-from megatier.checkpoint.tiers.store import StoreError
 from megatier.faults import CrashPoint
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 ``checkpoint.base_capture=snapshot`` copies the whole optimizer shard (fp32
 master, exp_avg, exp_avg_sq: 12 bytes per parameter) in the loop at the base
 step. With ``spread`` and ``checkpoint.capture_steps`` = k (GoCkpt's
-multi-step capture, 004_*.txt section 3), the base of version B is copied in k
+multi-step capture; GoCkpt, arXiv:2511.07035, section 3), the base of version B is copied in k
 contiguous parts of the flat shard, part j right after optimizer step
 B - k + 1 + j, so each step copies 1/k of it:
 
@@ -37,9 +37,9 @@ from megatier import ops
 from megatier.checkpoint.format.payload import BaseState
 from megatier.checkpoint.save.step_ops import Copier, ScheduledCopy
 from megatier.checkpoint.shard import ShardAccess
-from megatier.checkpoint.tiers.directory import PartialFile
+from megatier.checkpoint.storage.directory import PartialFile
+from megatier.checkpoint.storage.spare import SparePool
 from megatier.checkpoint.tiers.node_memory import CaptureArea
-from megatier.checkpoint.tiers.spare import SparePool
 
 STATE = ("master", "exp_avg", "exp_avg_sq")
 

@@ -1,6 +1,6 @@
 """The capture schedule: during which operation of a step each chunk of a base part is copied (Checkflow).
 
-Checkflow (001_*.txt, section III) places each checkpoint copy inside the
+Checkflow (IEEE CAL 2025, section III; docs/references.md) places each checkpoint copy inside the
 training computation: a copy may run during an operation when it fits the
 operation's duration at the copy bandwidth (its Eq. 9), and the memory held
 for checkpointing must never push the step above its peak (Eqs. 10-12). It

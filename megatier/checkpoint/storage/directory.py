@@ -19,7 +19,14 @@ import os
 import secrets
 from typing import BinaryIO, Iterable, Optional
 
-from megatier.checkpoint.tiers.store import Buffer, ObjectNotFound, ObjectStore, StoreError, StoreUnavailable, check_key
+from megatier.checkpoint.storage.store import (
+    Buffer,
+    ObjectNotFound,
+    ObjectStore,
+    StoreError,
+    StoreUnavailable,
+    check_key,
+)
 
 _TMP = ".tmp-"
 

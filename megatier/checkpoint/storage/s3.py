@@ -34,7 +34,7 @@ from botocore.exceptions import (
     PartialCredentialsError,
 )
 
-from megatier.checkpoint.tiers.store import (
+from megatier.checkpoint.storage.store import (
     ObjectNotFound,
     ObjectStore,
     RetryPolicy,

@@ -23,9 +23,9 @@ from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, Pay
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set, node_memory_floor, retention_floor
+from megatier.checkpoint.storage.store import ObjectNotFound, StoreError
 from megatier.checkpoint.tiers.base import NODE, TIER1, Copy, Listing, Tier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
 from megatier.faults import FaultHook, no_faults
 
 

@@ -48,9 +48,9 @@ import xxhash
 
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadDraft, PayloadError, Stamp, verify_payload
 from megatier.checkpoint.format.units import DIFF, PayloadId, check_path_component, parse_rank_name, rank_name
-from megatier.checkpoint.tiers.directory import DirectoryStore, PartialFile
-from megatier.checkpoint.tiers.spare import SPARE_ROOT, SparePool
-from megatier.checkpoint.tiers.store import ObjectNotFound, StoreError
+from megatier.checkpoint.storage.directory import DirectoryStore, PartialFile
+from megatier.checkpoint.storage.spare import SPARE_ROOT, SparePool
+from megatier.checkpoint.storage.store import ObjectNotFound, StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)

@@ -36,15 +36,15 @@ from megatier.checkpoint.commit.records import (
 from megatier.checkpoint.commit.uploader import Uploader
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
 from megatier.checkpoint.format.units import PayloadId, check_path_component, rank_name
+from megatier.checkpoint.policy.rules import check_remote_url
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end
+from megatier.checkpoint.storage.directory import DirectoryStore
+from megatier.checkpoint.storage.s3 import S3Store
+from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import JOB, TIER3, Copy, Listing, Tier
-from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.node_memory import read_fingerprints
-from megatier.checkpoint.tiers.s3 import S3Store
-from megatier.checkpoint.tiers.store import ObjectStore, RetryPolicy, StoreError
-from megatier.config import check_remote_url
 from megatier.faults import FaultHook, no_faults
 
 log = logging.getLogger(__name__)

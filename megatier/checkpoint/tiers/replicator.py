@@ -59,10 +59,10 @@ import torch.distributed as dist
 
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError, Stamp, verify_payload
 from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
+from megatier.checkpoint.storage.store import StoreError
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.ring import KIND_CODES, SLOTS, Leg, PeerStatus, Tick, TransferError, chunk_plan
-from megatier.checkpoint.tiers.store import StoreError
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from megatier.checkpoint.format.units import BASE, DIFF, STEP
-from megatier.checkpoint.plan import Cluster, plan
+from megatier.checkpoint.offline.plan import Cluster, plan
 from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.cli.launch import LocalCluster
 from megatier.config import compose_config
+from megatier.drill.cluster import LocalCluster
 from tests.conftest import REPO
 
 JOB = "planned"

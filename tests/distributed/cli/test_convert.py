@@ -33,7 +33,8 @@ from megatier.config import (
     WandbConfig,
 )
 from megatier.interop.gpt2 import load_gpt2
-from megatier.model.gpt import GPTStage, StageSpec, load_full_state
+from megatier.model.gpt import GPTStage, load_full_state
+from megatier.model.params import StageSpec
 from megatier.optim.canonical import ShardState, assemble, shard_pieces
 from megatier.training.trainer import Trainer
 from tests.distributed.world import run_world

@@ -18,7 +18,7 @@ import pytest
 
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.tiers.remote import open_remote_store
-from megatier.cli.launch import LocalCluster
+from megatier.drill.cluster import LocalCluster
 from megatier.observe.goodput import PARTS
 from tests.conftest import REPO
 

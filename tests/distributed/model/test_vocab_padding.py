@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from megatier.config import ModelConfig
-from megatier.model.gpt import GPTStage, StageSpec, canonical_shapes, load_full_state
-from megatier.parallel.layers import full_from_shards
+from megatier.model.gpt import GPTStage, load_full_state
+from megatier.model.params import StageSpec, canonical_shapes
 from megatier.parallel.state import build_parallel_state
+from megatier.slicing import full_from_shards
 from tests.distributed.world import run_world
 
 VOCAB = 259

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from megatier.config import ModelConfig
-from megatier.model.gpt import GPTStage, StageSpec, init_weights, stage_layers
+from megatier.model.gpt import GPTStage, init_weights
+from megatier.model.params import StageSpec, stage_layers
 from megatier.parallel.p2p import PipelineComm
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
 from megatier.parallel.state import build_parallel_state

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatier.model.gpt import StageSpec, stage_layers
+from megatier.model.params import StageSpec, stage_layers
 from megatier.parallel.p2p import PipelineComm
 from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes, route
 from megatier.parallel.state import build_parallel_state

@@ -16,11 +16,10 @@ from megatier.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    full_from_shards,
-    shard_of_full,
 )
 from megatier.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 from megatier.parallel.state import build_parallel_state
+from megatier.slicing import full_from_shards, shard_of_full
 from tests.distributed.world import run_world
 
 TP = 2

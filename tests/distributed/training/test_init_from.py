@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatier.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig, WandbConfig
-from megatier.parallel.layers import full_from_shards
+from megatier.slicing import full_from_shards
 from megatier.training.trainer import Trainer
 from tests.distributed.world import run_world
 from tests.hf_gpt2 import expected_state, hf_loss, save_random_gpt2

@@ -32,7 +32,7 @@ from megatier.config import (
     WandbConfig,
 )
 from megatier.optim.adamw import DistributedAdamW
-from megatier.parallel.layers import full_from_shards
+from megatier.slicing import full_from_shards
 from megatier.training.trainer import Trainer
 from tests.distributed.world import run_world
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatier import fastpaths
-from megatier.cli.launch import LocalCluster
+from megatier.drill.cluster import LocalCluster
 from tests.conftest import REPO
 
 CUDA = fastpaths.cuda_missing()

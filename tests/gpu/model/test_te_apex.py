@@ -18,7 +18,8 @@ import torch
 
 from megatier import fastpaths
 from megatier.config import ModelConfig
-from megatier.model.gpt import GPTStage, StageSpec, init_weights
+from megatier.model.gpt import GPTStage, init_weights
+from megatier.model.params import StageSpec
 from megatier.optim.grad_norm import local_sumsq
 
 CUDA = fastpaths.cuda_missing()

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megatier.checkpoint.commit.uploader import Uploader
-from megatier.checkpoint.tiers.store import ObjectStore
+from megatier.checkpoint.storage.store import ObjectStore
 from tests.checkpoint_fakes import FAST, JOB
 
 

@@ -21,8 +21,8 @@ from megatier.checkpoint.format.payload import EncodedPayload, verify_payload
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.reclaim.policy import beyond_end, local_reclaim_set
 from megatier.checkpoint.shard import ShardAccess
+from megatier.checkpoint.storage.store import ObjectNotFound
 from megatier.checkpoint.tiers.base import NODE, TIER3, Copy, Listing, Tier
-from megatier.checkpoint.tiers.store import ObjectNotFound
 from megatier.config import CheckpointConfig, DiffStreamConfig, OptimConfig
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters
@@ -120,7 +120,7 @@ def tiny_shard(iters: int = 40) -> tuple[DistributedAdamW, ShardAccess]:
     """A fresh world-of-one ZeRO-1 shard (the optimizer never calls a collective when dp == 1 and it is
     stepped through :func:`step`)."""
     model = _Tiny()
-    layout = FlatLayout.from_module(model, 1, tp_rank=0, shared_copies=set())
+    layout = FlatLayout.from_module(model, 1, tp_rank=0)
     flat = flatten_parameters(model, layout, torch.float32, torch.device("cpu"))
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=None)
     cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=0.1)

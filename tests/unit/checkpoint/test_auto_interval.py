@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatier.checkpoint.auto_interval import decide, provisional_interval, replay_seconds_per_step
 from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.policy.auto_interval import decide, provisional_interval, replay_seconds_per_step
 from megatier.checkpoint.tiers.base import JOB as JOB_SCOPE
 from megatier.checkpoint.tiers.base import TIER1, TIER3
 from megatier.config import CheckpointConfig

@@ -14,10 +14,10 @@ from typing import Optional
 import pytest
 import torch
 
-from megatier.checkpoint.cadence import DurableCadence, save_thread_tiers, uploads_base
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.policy.cadence import DurableCadence, save_thread_tiers, uploads_base
 from megatier.checkpoint.reclaim.policy import remote_reclaim_set
 from megatier.checkpoint.tiers.base import JOB as JOB_SCOPE
 from megatier.checkpoint.tiers.base import TIER2, TIER3

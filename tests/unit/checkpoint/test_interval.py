@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from megatier.checkpoint.interval import (
+from megatier.checkpoint.policy.interval import (
     IntervalCosts,
     choose_interval,
     expected_goodput,

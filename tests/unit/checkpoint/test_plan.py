@@ -10,7 +10,7 @@ import torch
 from megatier import ops
 from megatier.checkpoint.format.payload import DiffStep, draft_base, draft_diff_batch
 from megatier.checkpoint.format.units import BASE, STEP, PayloadId
-from megatier.checkpoint.plan import COMMIT_LAG_BATCHES, Cluster, PlanError, plan, retention
+from megatier.checkpoint.offline.plan import COMMIT_LAG_BATCHES, Cluster, PlanError, plan, retention
 from megatier.checkpoint.reclaim.policy import local_reclaim_set, node_memory_floor, remote_reclaim_set, retention_floor
 from megatier.cli.inspect import main as inspect_main
 from megatier.config import CheckpointConfig, DiffStreamConfig

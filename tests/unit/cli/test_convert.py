@@ -19,15 +19,16 @@ from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.offline.state import step_ranges
 from megatier.checkpoint.shard import tiling_segments
-from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.cli import convert
-from megatier.cli.offline_state import step_ranges
 from megatier.config import Config, ModelConfig, OptimConfig
 from megatier.config.fingerprint import fingerprint_hash, state_fingerprint
 from megatier.interop.gpt2 import load_gpt2
-from megatier.model.gpt import GPTStage, StageSpec, canonical_shapes
+from megatier.model.gpt import GPTStage
+from megatier.model.params import StageSpec, canonical_shapes
 from megatier.optim.canonical import STATE_KINDS, cut_shard
 from megatier.optim.flat import FlatLayout
 from megatier.parallel.layout import Layout
@@ -63,7 +64,7 @@ class Job:
     def __init__(self, process_group, job_id: str, dp: int, codec: str = "fp32"):
         model = GPTStage(CFG, VOCAB, StageSpec(range(CFG.num_layers), True, True), tp_group=process_group.tp_group,
                          dropout_generator=torch.Generator())
-        flat = FlatLayout.from_module(model, dp, tp_rank=0, shared_copies=set())
+        flat = FlatLayout.from_module(model, dp, tp_rank=0)
         self.job_id, self.dp, self.codec, self.units = job_id, dp, codec, {}
         for rank in range(dp):
             segs = flat.shard_segments(rank)

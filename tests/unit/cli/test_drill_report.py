@@ -1,7 +1,7 @@
 """The drill report's stall summary: median, p99 and max of the loop's checkpoint wait, against a step."""
 import pytest
 
-from megatier.cli.drill_report import _stall_line, stall_summary
+from megatier.drill.report import _stall_line, stall_summary
 
 
 def test_stall_summary_reads_every_step_and_ignores_other_records():
@@ -22,7 +22,7 @@ def test_stall_summary_needs_steps_to_summarise():
 
 
 def test_the_goodput_line_gives_every_part_of_the_summary():
-    from megatier.cli.drill_report import _goodput_line, goodput_fields
+    from megatier.drill.report import _goodput_line, goodput_fields
 
     parts = {"productive": 6.0, "ckpt_stall": 0.2, "restore": 0.3, "lost": 0.04, "restart": 3.4, "eval": 0.05,
              "other": 0.01}

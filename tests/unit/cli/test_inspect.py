@@ -11,7 +11,7 @@ from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.records import DoneMarker, marker_key, object_key
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.faults import CrashPoint
 from megatier.parallel.layout import Layout

@@ -19,7 +19,7 @@ def test_presets_compose_and_validate(compose_config):
 
 
 def test_paper_presets_have_table2_sizes(compose_config):
-    from megatier.model.gpt import count_parameters
+    from megatier.model.params import count_parameters
 
     expected = {"gpt2_10b": 9.9e9, "gpt2_20b": 20.2e9, "gpt2_40b": 40.3e9}
     for model, size in expected.items():

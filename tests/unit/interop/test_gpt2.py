@@ -12,7 +12,8 @@ from megatier.config import ModelConfig
 from megatier.data.tokenizer import train_bpe
 from megatier.interop.gpt2 import export_gpt2, load_gpt2
 from megatier.interop.gpt2_config import GPT2FormatError
-from megatier.model.gpt import GPTStage, StageSpec, canonical_shapes, load_full_state
+from megatier.model.gpt import GPTStage, load_full_state
+from megatier.model.params import StageSpec, canonical_shapes
 from tests.hf_gpt2 import save_random_gpt2
 
 transformers = pytest.importorskip("transformers")

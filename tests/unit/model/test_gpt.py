@@ -5,16 +5,8 @@ import pytest
 import torch
 
 from megatier.config import ModelConfig
-from megatier.model.gpt import (
-    GPTStage,
-    StageSpec,
-    canonical_shapes,
-    count_parameters,
-    init_weights,
-    load_full_state,
-    padded_vocab_size,
-    stage_layers,
-)
+from megatier.model.gpt import GPTStage, init_weights, load_full_state
+from megatier.model.params import StageSpec, canonical_shapes, count_parameters, padded_vocab_size, stage_layers
 
 VOCAB = 257  # the byte tokenizer's; padded to 384 rows at tp=1
 

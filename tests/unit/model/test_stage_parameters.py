@@ -6,7 +6,8 @@ import torch
 import torch.distributed as dist
 
 from megatier.config import ModelConfig
-from megatier.model.gpt import GPTStage, StageSpec, stage_parameters
+from megatier.model.gpt import GPTStage
+from megatier.model.params import StageSpec, stage_parameters
 from megatier.optim.flat import FlatLayout
 
 CFG = ModelConfig(num_layers=3, hidden_size=32, num_heads=4, max_position_embeddings=16, ffn_hidden_size=48)
@@ -19,14 +20,15 @@ STAGES = {"whole": (range(3), True, True), "first": (range(2), True, False), "mi
 
 
 def _built(spec: StageSpec) -> list[tuple]:
-    """(name, shape, tp_dim, stride, full_shape) of a real GPTStage on tp ranks (the fake backend: no traffic)."""
+    """(name, shape, tp_dim, stride, full_shape, copy_of) of a real GPTStage on tp ranks (the fake backend: no
+    traffic)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=spec.tp_rank, world_size=spec.tp)
     try:
         with torch.device("meta"):
             model = GPTStage(CFG, VOCAB, spec, tp_group=dist.group.WORLD, dropout_generator=torch.Generator())
-        return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape)
+        return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of)
                 for n, p in model.named_parameters()], model
     finally:
         dist.destroy_process_group()
@@ -45,7 +47,6 @@ def test_the_flat_layout_of_described_parameters_is_the_modules():
     spec = StageSpec(range(2, 3), False, True, tp_rank=1, tp=2)
     _, model = _built(spec)
     for dp in (1, 3):
-        from_module = FlatLayout.from_module(model, dp, tp_rank=1, shared_copies={"head_weight"})
-        described = FlatLayout.from_params(stage_parameters(CFG, VOCAB, spec), dp, tp_rank=1,
-                                           shared_copies={"head_weight"})
+        from_module = FlatLayout.from_module(model, dp, tp_rank=1)
+        described = FlatLayout.from_params(stage_parameters(CFG, VOCAB, spec), dp, tp_rank=1)
         assert described.segments == from_module.segments and described.shard_size == from_module.shard_size

@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from megatier.config import ModelConfig
-from megatier.model.gpt import GPTStage, StageSpec, init_weights, stage_parameters
+from megatier.model.gpt import GPTStage, init_weights
+from megatier.model.params import StageSpec, stage_parameters
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
 from tests.unit.model import fake_te
@@ -29,7 +30,7 @@ def _stage(group, impl: str, spec=StageSpec(range(3), True, True), **kw) -> GPTS
 
 
 def _described(model: GPTStage) -> list[tuple]:
-    return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape)
+    return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of)
             for n, p in model.named_parameters()]
 
 
@@ -66,7 +67,7 @@ def test_te_stages_are_described_by_stage_parameters(te, tp, tp_rank, layers, fi
 
 def _step(model: GPTStage, group, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and the fp32 gradient buffer of one forward/backward, after the flat-buffer move the Trainer makes."""
-    layout = FlatLayout.from_module(model, 1, tp_rank=0, shared_copies=set())
+    layout = FlatLayout.from_module(model, 1, tp_rank=0)
     flatten_parameters(model, layout, torch.float32, torch.device("cpu"))
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=group)
     loss = model(tokens, tokens.roll(-1, 1)).mean()

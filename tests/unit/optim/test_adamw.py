@@ -54,7 +54,7 @@ def _toy_model() -> nn.Module:
 def test_distributed_adamw_matches_torch_with_groups_and_clipping(process_group):
     cfg = OptimConfig(lr=1e-2, min_lr=1e-2, warmup_iters=0, weight_decay=0.1, clip_grad=0.5)
     ours, theirs = _toy_model(), _toy_model()
-    layout = FlatLayout.from_module(ours, dp=1, tp_rank=0, shared_copies=set())
+    layout = FlatLayout.from_module(ours, dp=1, tp_rank=0)
     flat = flatten_parameters(ours, layout, torch.float32, torch.device("cpu"))
     grads = GradBuffer(ours, layout, torch.device("cpu"), dp_group=process_group.dp_group)
     opt = DistributedAdamW(cfg, layout, flat, grads, dp_rank=0, dp_group=process_group.dp_group,
@@ -83,7 +83,7 @@ def test_distributed_adamw_matches_torch_with_groups_and_clipping(process_group)
 def test_flat_layout_shards_tile_the_buffer():
     model = _toy_model()
     for dp in (1, 2, 3, 4):
-        layout = FlatLayout.from_module(model, dp=dp, tp_rank=0, shared_copies=set())
+        layout = FlatLayout.from_module(model, dp=dp, tp_rank=0)
         covered = []
         for r in range(dp):
             lo, _ = layout.shard_range(r)
@@ -94,7 +94,7 @@ def test_flat_layout_shards_tile_the_buffer():
 
 def test_ranges_tensor_merges_adjacent():
     model = _toy_model()
-    layout = FlatLayout.from_module(model, dp=1, tp_rank=0, shared_copies=set())
+    layout = FlatLayout.from_module(model, dp=1, tp_rank=0)
     segs = layout.shard_segments(0)
     assert ranges_tensor(segs, "in_norm").tolist() == [[0, layout.segments[-1].end]]
     assert ranges_tensor(segs, "decay").shape == (2, 2)  # two weight matrices, biases/norm excluded
@@ -127,7 +127,7 @@ def test_loss_scaler_backs_off_and_grows():
 
 def test_overflow_skips_step(process_group):
     model = _toy_model()
-    layout = FlatLayout.from_module(model, dp=1, tp_rank=0, shared_copies=set())
+    layout = FlatLayout.from_module(model, dp=1, tp_rank=0)
     flat = flatten_parameters(model, layout, torch.float32, torch.device("cpu"))
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=process_group.dp_group)
     scaler = DynamicLossScaler(8.0, 1.0, 100, 1)

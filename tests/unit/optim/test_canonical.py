@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatier.model.gpt import padded_vocab_size, stage_layers
+from megatier.model.params import padded_vocab_size, stage_layers
 from megatier.optim.canonical import (
     STATE_KINDS,
     ReshardError,
@@ -25,7 +25,8 @@ from megatier.optim.canonical import (
     shard_pieces,
 )
 from megatier.optim.flat import FlatLayout, ShardSegment
-from megatier.parallel.layers import mark_partition, shard_of_full
+from megatier.parallel.layers import mark_partition
+from megatier.slicing import shard_of_full
 
 VOCAB, HIDDEN, LAYERS, POSITIONS = 259, 8, 3, 16
 
@@ -71,6 +72,7 @@ class _Stage(nn.Module):
                 full = torch.cat([full, full.new_zeros(rows - VOCAB, *full.shape[1:])])
             p = mark_partition(nn.Parameter(shard_of_full(full, dim, stride, tp_rank, tp).clone()), dim, stride)
             p.full_shape = full_shape
+            p.copy_of = "word.weight" if name == "head_weight" else ""  # the tied head: a copy, as GPTStage says
             self.register_parameter(name.replace(".", "__"), p)
 
     def named_parameters(self, *args, **kwargs):
@@ -86,7 +88,7 @@ def _shards(state, tp: int, pp: int, dp: int) -> list[ShardState]:
         kinds = {}
         for k in STATE_KINDS:
             stage = _Stage(params, tp, tp_rank, {n: v[k] for n, v in state.items()})
-            layout = FlatLayout.from_module(stage, dp, tp_rank=tp_rank, shared_copies=set())
+            layout = FlatLayout.from_module(stage, dp, tp_rank=tp_rank)
             flat = torch.zeros(layout.numel)
             for s in layout.segments:
                 flat[s.offset:s.end] = dict(stage.named_parameters())[s.name].detach().reshape(-1)

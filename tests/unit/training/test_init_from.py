@@ -21,7 +21,7 @@ def test_trainer_starts_from_the_hf_weights(tiny_config, tmp_path, caplog):
     cfg = tiny_config("train.iters=1", f"model.init_from={tmp_path / 'hf'}")
     hf = save_random_gpt2(str(tmp_path / "hf"), cfg.model, VOCAB)
     trainer = Trainer(cfg)
-    assert f"model.init_from: initialised the tiny model from the Hugging Face GPT-2 at {tmp_path / 'hf'}" in caplog.text
+    assert f"initialised the tiny model from the Hugging Face GPT-2 at {tmp_path / 'hf'}" in caplog.text
     params = dict(trainer.model.named_parameters())
     for name, value in expected_state(hf, cfg.model.num_layers).items():
         param = params[name][:VOCAB] if name == "word.weight" else params[name]

@@ -1,4 +1,4 @@
-"""CheckFree's rebuild against its baselines (the paper's Figure 2, 002_*.txt), at a size CI can run.
+"""CheckFree's rebuild against its baselines (Figure 2 of CheckFree, arXiv:2506.15461), at a size CI can run.
 
 A tiny GPT (4 layers, hidden 64) on pp=4 trains 400 steps on 8 MiB of the standard library (byte level, as the
 default corpus) with Tier-1 checkpointing; then stage 2 loses every copy. Four relaunches from copies of the same
@@ -12,7 +12,7 @@ their order depends on the machine's float paths: on one 2-core box the average 
 
 Copy against fresh initialisation is not asserted: at this size their order depends on the seed (copy ahead in
 4 of 6 runs tried: seeds 1234, 7, 11, 3 in benchmarks/bench_checkfree.py, 7 and 11 here). The longer experiment,
-where the stage matters more, is ``benchmarks/bench_checkfree.py``; its table is in README's "Last resort".
+where the stage matters more, is ``benchmarks/bench_checkfree.py``; its table is in docs/benchmarks.md.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ class _Tiny(nn.Module):
 
 def _optimizer(ps) -> tuple[DistributedAdamW, ShardAccess]:
     model = _Tiny(100 + ps.tp_rank)
-    layout = FlatLayout.from_module(model, ps.dp, tp_rank=ps.tp_rank, shared_copies=set())
+    layout = FlatLayout.from_module(model, ps.dp, tp_rank=ps.tp_rank)
     flat = flatten_parameters(model, layout, torch.float32, torch.device("cpu"))
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=ps.dp_group)
     cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=0.1)

@@ -21,9 +21,9 @@ import torch.multiprocessing as mp
 
 from megatier.checkpoint.format.payload import EncodedPayload, Stamp, checksum
 from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.storage.store import ObjectNotFound
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.replicator import PeerReplicator
-from megatier.checkpoint.tiers.store import ObjectNotFound
 from megatier.faults import Armed, CrashPoint, FaultInjector, no_faults
 from megatier.parallel.layout import Layout
 from tests.distributed.world import _worker, run_world

@@ -13,8 +13,8 @@ from megatier.checkpoint.commit.records import CommitError, commit_key, marker_k
 from megatier.checkpoint.commit.uploader import Uploader, UploaderError
 from megatier.checkpoint.format.payload import DiffStep, PayloadError
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.tiers.directory import DirectoryStore
-from megatier.checkpoint.tiers.store import ObjectNotFound
+from megatier.checkpoint.storage.directory import DirectoryStore
+from megatier.checkpoint.storage.store import ObjectNotFound
 from megatier.faults import CrashPoint
 from tests.checkpoint_fakes import FAST, JOB, WORLD, FlakyStore, base, diff, layout
 

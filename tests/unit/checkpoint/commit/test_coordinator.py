@@ -7,7 +7,7 @@ from megatier.checkpoint.commit.coordinator import Coordinator
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import list_units
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.storage.directory import DirectoryStore
 from tests.checkpoint_fakes import JOB, WORLD, base, diff
 
 pytestmark = pytest.mark.timeout(60)
@@ -134,7 +134,7 @@ def test_a_poll_lists_only_the_units_not_known_committed(tmp_path, upload_all):
 
 def test_the_unit_folders_of_a_store_are_listed_one_level_deep(tmp_path):
     from megatier.checkpoint.commit.records import unit_ids
-    from megatier.checkpoint.tiers.store import ObjectStore
+    from megatier.checkpoint.storage.store import ObjectStore
 
     store = DirectoryStore(str(tmp_path / "t3"))
     for key in ("base/v00000000/a", "diff/v00000001-00000005/rank00000.done.json", "diff/v00000006-00000010/x/y",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
-from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.storage.directory import DirectoryStore
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,13 +6,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatier.checkpoint.cadence import uploads_base
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import reclaim_remote
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import DoneMarker, commit_key, list_units, marker_key, object_key
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
+from megatier.checkpoint.policy.cadence import uploads_base
 from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import (
     beyond_end,
@@ -21,7 +21,7 @@ from megatier.checkpoint.reclaim.policy import (
     remote_reclaim_set,
     retention_floor,
 )
-from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.parallel.layout import Layout

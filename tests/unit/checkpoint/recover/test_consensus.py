@@ -13,8 +13,8 @@ from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.consensus import ConfigCheck, cascade, decide
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.record import failure_class, recovery_record
+from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, Copy
-from megatier.checkpoint.tiers.directory import DirectoryStore
 from megatier.checkpoint.tiers.local import LocalTier, list_area
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.remote import list_committed

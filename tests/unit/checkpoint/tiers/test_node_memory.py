@@ -15,8 +15,8 @@ from megatier.checkpoint.format.payload import (
     encode_diff_batch,
 )
 from megatier.checkpoint.format.units import PayloadId
+from megatier.checkpoint.storage.store import ObjectNotFound
 from megatier.checkpoint.tiers.node_memory import NodeMemory
-from megatier.checkpoint.tiers.store import ObjectNotFound
 from megatier.faults import CrashPoint
 from megatier.parallel.layout import Layout
 
@@ -147,7 +147,7 @@ def test_bad_node_or_job_names_are_refused(tmp_path):
 
 def test_save_draft_writes_once_into_tier1_and_hands_out_that_file(tmp_path):
     from megatier.checkpoint.format.payload import draft_base
-    from megatier.checkpoint.tiers.directory import DirectoryStore
+    from megatier.checkpoint.storage.directory import DirectoryStore
 
     n = 1000
     state = BaseState(50, 50, torch.randn(n), torch.randn(n), torch.rand(n), {}, None, {"consumed_samples": 50})
@@ -231,7 +231,7 @@ def test_a_file_still_mapped_is_never_made_a_spare(tmp_path):
 
 
 def test_spares_are_bounded_swept_with_their_area_and_released(tmp_path):
-    from megatier.checkpoint.tiers.spare import SparePool
+    from megatier.checkpoint.storage.spare import SparePool
 
     tier = NodeMemory(str(tmp_path), JOB, "node0")
     for v in range(1, 4):

@@ -11,9 +11,9 @@ from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import QUARANTINE, SUPERSEDED, list_units, set_aside
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.tiers.directory import DirectoryStore
+from megatier.checkpoint.offline.listing import inspect_quarantine
+from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.remote import RemoteTier, list_committed
-from megatier.cli.inspect import inspect_quarantine
 from megatier.parallel.layout import Layout
 
 pytestmark = pytest.mark.timeout(60)

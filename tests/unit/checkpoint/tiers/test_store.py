@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from megatier.checkpoint.tiers.directory import DirectoryStore
-from megatier.checkpoint.tiers.remote import open_remote_store
-from megatier.checkpoint.tiers.s3 import S3Store
-from megatier.checkpoint.tiers.store import (
+from megatier.checkpoint.storage.directory import DirectoryStore
+from megatier.checkpoint.storage.s3 import S3Store
+from megatier.checkpoint.storage.store import (
     ObjectNotFound,
     RetryPolicy,
     StoreError,
@@ -19,6 +18,7 @@ from megatier.checkpoint.tiers.store import (
     TransientStoreError,
     retry_call,
 )
+from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.config import ConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,7 +86,7 @@ def test_directory_crash_mid_write_leaves_nothing_visible(tmp_path, monkeypatch)
     def crash(fd):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr("megatier.checkpoint.tiers.directory.os.fsync", crash)
+    monkeypatch.setattr("megatier.checkpoint.storage.directory.os.fsync", crash)
     with pytest.raises(StoreError, match="k/obj.*Input/output error"):
         store.put("k/obj", b"new bytes")
     with pytest.raises(StoreError):

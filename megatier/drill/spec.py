@@ -1,0 +1,80 @@
+"""What a failure drill does, as one typed value: the cluster, the failure, where it lives; and its checks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+CLASSES = ("software", "node", "rack", "stage")
+
+
+class DrillError(RuntimeError):
+    """A drill that cannot run or finish as asked (bad settings, a work directory in use, a failed reference);
+    the message is one line."""
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """How the job is launched on the simulated cluster: its shape and how long each launch may take."""
+
+    nodes: int
+    procs_per_node: int
+    fail_grace_s: float = 5.0  # after the victims die, seconds the other nodes get before they are stopped
+    timeout_s: float = 900.0  # limit of each launch
+
+    def on(self, nodes: int) -> "LaunchSettings":
+        return LaunchSettings(nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s)
+
+
+@dataclass(frozen=True)
+class DrillSpec:
+    """One drill (``megatier-drill``'s arguments); :meth:`problem` says what is wrong with it, if anything."""
+
+    fail: str
+    at_steps: tuple[int, ...]
+    overrides: tuple[str, ...] = ()
+    nodes: int = 2
+    procs_per_node: int = 2
+    victim: Optional[int] = None  # default: the last node
+    stage: Optional[int] = None
+    corrupt: bool = False
+    no_spare: bool = False
+    compare: bool = False
+    work_dir: str = ""
+    fail_grace_s: float = 5.0
+    timeout_s: float = 900.0
+    extra: tuple[str, ...] = field(default=())  # overrides before the user's (the class's defaults)
+
+    @property
+    def victim_node(self) -> int:
+        return self.nodes - 1 if self.victim is None else self.victim
+
+    @property
+    def launch(self) -> LaunchSettings:
+        return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s)
+
+    def victims(self) -> list[int]:
+        """The node indices the failure kills (a stage failure kills ranks, no node)."""
+        if self.fail == "rack":
+            return list(range(self.nodes))
+        return [] if self.fail == "stage" else [self.victim_node]
+
+    def problem(self) -> Optional[str]:
+        """Why this drill cannot run (one line), or None."""
+        if self.fail not in CLASSES:
+            return f"--fail {self.fail}: choose one of {', '.join(CLASSES)}"
+        if self.nodes < 1 or self.procs_per_node < 1:
+            return "--nodes and --procs-per-node must be >= 1"
+        if not 0 <= self.victim_node < self.nodes:
+            return f"--victim {self.victim_node} is not a node index in [0, {self.nodes})"
+        if self.fail == "node" and self.nodes < 2:
+            return "a node failure needs --nodes >= 2: the lost node's replicas live on its ring peer"
+        if self.no_spare and (self.fail != "node" or len(self.at_steps) != 1 or self.victim_node != self.nodes - 1):
+            return ("--no-spare goes with --fail node, one --at-step and the last node as the victim (the survivors "
+                    "keep their node names)")
+        if (self.fail == "stage") != (self.stage is not None):
+            return "--stage goes with --fail stage, and --fail stage needs --stage"
+        if self.corrupt and self.fail != "software":
+            return "--corrupt goes with --fail software (node and rack failures wipe the Tier-1 copy anyway)"
+        if not self.at_steps or len(set(self.at_steps)) != len(self.at_steps) or min(self.at_steps) < 1:
+            return f"--at-step {list(self.at_steps)}: give distinct steps >= 1"
+        return None

@@ -1,0 +1,121 @@
+"""What a GPT's parameters are, in one place: their names, full shapes, how tensor parallelism cuts them, which
+are copies of others, and which pipeline stage holds which.
+
+Parameter names use global layer indices (``layers.7.attn.qkv.weight``) so a name means the same tensor in every
+layout. Pipeline split rule: stage i gets num_layers // pp layers, and the first num_layers % pp stages get one
+more (the last stage already carries the head). Vocabulary tensors (:data:`VOCAB_PARAMS`) hold
+:func:`padded_vocab_size` rows so every tp rank holds an equal slice.
+
+The model (:mod:`.gpt`) builds its parameters from this description and records it on each one
+(``full_shape``, ``tp_partition_dim``/``_stride``, ``copy_of``); the optimizer's segment table, the canonical
+state, the size plan and the Hugging Face interop read it from there or from here (:func:`stage_parameters` is
+the description of a stage without building it, tested equal to the built one).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from megatier.config import ModelConfig
+from megatier.optim.flat import ParamSpec
+from megatier.parallel.checkfree_plus import REPLICA_SOURCES, replicas_of
+
+# Parameters that hold a copy of another stage's parameter -> the parameter they copy: the tied output head of a
+# last stage (pp > 1) and CheckFree+'s replicas of the position embedding and the final LayerNorm.
+COPIES = {"head_weight": "word.weight", **REPLICA_SOURCES}
+
+# Parameters with one row per vocabulary id; padded to padded_vocab_size rows in a GPTStage.
+VOCAB_PARAMS = ("word.weight", "head_weight")
+
+
+
+def canonical_name(name: str) -> str:
+    """The parameter whose values ``name`` holds: a copy's source, else the name itself."""
+    return COPIES.get(name, name)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Round the vocabulary up so every tp rank holds an equal slice of a multiple of ``divisible_by``."""
+    multiple = divisible_by * tp
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """Global indices of the layers on pipeline stage ``pp_rank`` (see the module docstring)."""
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (1 if pp_rank < extra else 0))
+
+
+def stage_spec(cfg: ModelConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int) -> "StageSpec":
+    """What pipeline stage ``pp_rank`` of ``pp`` holds on tp rank ``tp_rank`` (layers, ends, replicas)."""
+    return StageSpec(stage_layers(cfg.num_layers, pp, pp_rank), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
+                     replicas_of(cfg.pipeline_order, pp, pp_rank))
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which part of the model this rank holds."""
+
+    layers: range
+    is_first: bool
+    is_last: bool
+    tp_rank: int = 0
+    tp: int = 1
+    # Copies of a neighbouring stage's parameters this stage keeps (CheckFree+: "pos" and/or "final_norm";
+    # megatier.parallel.checkfree_plus.replicas_of). They are trained as copies: same gradient, same update.
+    replicas: tuple[str, ...] = ()
+
+
+def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
+    """Name -> full, unpadded shape of every parameter of the whole model (a pp=1 stage; no head_weight)."""
+    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size or 4 * cfg.hidden_size
+    shapes = {"word.weight": (vocab_size, h), "pos.weight": (cfg.max_position_embeddings, h)}
+    per_layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
+                 "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "ln2.weight": (h,), "ln2.bias": (h,),
+                 "mlp.fc.weight": (ffn, h), "mlp.fc.bias": (ffn,), "mlp.proj.weight": (h, ffn),
+                 "mlp.proj.bias": (h,)}
+    for i in range(cfg.num_layers):
+        shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
+    shapes.update({"final_norm.weight": (h,), "final_norm.bias": (h,)})
+    return shapes
+
+
+# How the parallel layers cut each parameter across tp ranks, (dim, stride) by name (a layer's without its
+# "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (the fused qkv in 3 blocks),
+# RowParallelLinear input columns (its bias replicated), the vocabulary embedding and the head vocabulary rows.
+TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
+             "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1)}
+
+
+def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list[ParamSpec]:
+    """The parameters of ``GPTStage(cfg, vocab_size, spec)`` in its order (the flat buffer's), with this tp rank's
+    shapes, without building it: what a size plan needs for a model that does not fit here. Equal to the
+    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape) (tested)."""
+    full = canonical_shapes(cfg, vocab_size)
+    names = [n for n in full if n.startswith("layers.") and int(n.split(".")[1]) in spec.layers]
+    if spec.is_first:
+        names = ["word.weight", "pos.weight"] + names
+    if spec.is_last:
+        names += ["final_norm.weight", "final_norm.bias"]
+    if spec.is_last and not spec.is_first:
+        names = ["head_weight"] + names  # a parameter of the stage itself: named before its submodules'
+    if "pos" in spec.replicas:
+        names += ["pos_replica.weight"]
+    if "final_norm" in spec.replicas:
+        names += ["final_norm_replica.weight", "final_norm_replica.bias"]
+    padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
+    out = []
+    for name in names:
+        full_shape = full[canonical_name(name)]
+        tp_dim, stride = TP_SPLITS.get(name.split(".", 2)[-1] if name.startswith("layers.") else name, (None, 1))
+        shape = [padded, *full_shape[1:]] if name in VOCAB_PARAMS else list(full_shape)
+        if tp_dim is not None:
+            shape[tp_dim] //= spec.tp
+        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape, COPIES.get(name, "")))
+    return out
+
+
+def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameters of the whole (unsharded) model with tied embeddings."""
+    return sum(math.prod(shape) for shape in canonical_shapes(cfg, vocab_size).values())
