@@ -1,7 +1,7 @@
 # Two commands do everything from a bare clone (Python 3.11 + pip):
 #   make demo   set up, then train `small` on the default corpus on 2 simulated
 #               nodes, kill one node mid-run and recover (a failure drill)
-#   make test   set up, lint (ruff), then run the test suite
+#   make test   set up, lint (ruff, the import-linter contracts), then run the test suite
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,6 +31,7 @@ demo: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 test: lint
 	$(PY) -m pytest -n 2 tests

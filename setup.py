@@ -19,7 +19,9 @@ import platform
 from setuptools import find_packages, setup
 
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
+    # The oldest torch the code runs on (its collectives: megatier.optim.collectives); the exact CPU build the
+    # project develops on is pinned in the Makefile, so a GPU machine keeps the CUDA torch it has.
+    "torch>=2.4",
     "hydra-core>=1.3,<1.4",
     "omegaconf>=2.3,<2.4",
     "wandb>=0.17",
@@ -44,6 +46,8 @@ EXTRAS = {
         "hypothesis>=6",
         "moto[server]>=5",
         "ruff>=0.6",
+        # the layering contracts in .importlinter (lint-imports, run by make test)
+        "import-linter>=2.1",
         # megatier.interop writes and reads GPT-2 directories without it; the tests load them in transformers.
         "transformers>=4.40",
     ],
@@ -72,7 +76,8 @@ def _native_extension():
         from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
     except ImportError as exc:  # torch must be importable at build time (use --no-build-isolation)
         raise RuntimeError(
-            "building megatier._C needs torch at build time: install torch==2.13.0 first, then run "
+            "building megatier._C needs torch at build time: install torch first (the CPU build: torch==2.13.0), "
+            "then run "
             "`pip install --no-build-isolation -e .` (or set MEGATIER_NO_EXT=1 to skip the native ops)"
         ) from exc
 
@@ -116,8 +121,10 @@ setup(
     name="megatier",
     version="0.1.0",
     description="Megatron-style 3D-parallel GPT trainer with tiered checkpointing",
-    packages=find_packages(include=["megatier", "megatier.*"]),
-    package_data={"megatier": ["_C.pyi"]},
+    # configs/ stays at the top of the repository, where users look for it; installed, it is megatier.configs.
+    packages=[*find_packages(include=["megatier", "megatier.*"]), "megatier.configs"],
+    package_dir={"megatier.configs": "configs"},
+    package_data={"megatier": ["_C.pyi"], "megatier.configs": ["*.yaml", "*/*.yaml"]},
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
@@ -129,6 +136,7 @@ setup(
         "megatier-plot=megatier.cli.plot:main",
         "megatier-preprocess=megatier.cli.preprocess:main",
         "megatier-topology=megatier.cli.topology:main",
+        "megatier-train=megatier.train:main",
     ]},
     ext_modules=EXT_MODULES,
     cmdclass=CMDCLASS,

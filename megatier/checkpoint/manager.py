@@ -49,12 +49,12 @@ from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import STEP, PayloadId
 from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
-from megatier.checkpoint.policy.cadence import save_thread_tiers
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.base_capture import BaseCapturer
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
+from megatier.checkpoint.tiers.durable import save_thread_tiers
 
 log = logging.getLogger(__name__)
 _GIB = 1 << 30

@@ -8,8 +8,8 @@ option of a group, a value of the wrong type.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
-from importlib import resources
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
@@ -29,11 +29,12 @@ def config_dir() -> str:
     """The config groups: the package's copy (an installed wheel carries configs/ as ``megatier.configs``),
     else configs/ beside the package in a source tree."""
     try:
-        packaged = resources.files("megatier.configs")
-        if packaged.is_dir() and packaged.joinpath("config.yaml").is_file():
-            return str(packaged)
+        spec = importlib.util.find_spec("megatier.configs")  # a folder of YAML: a namespace package
     except ModuleNotFoundError:
-        pass
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        if os.path.isfile(os.path.join(folder, "config.yaml")):
+            return folder
     return os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs")
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from megatier import ops
 from megatier.config import OptimConfig
+from megatier.optim.collectives import all_gather_flat
 from megatier.optim.flat import FlatLayout, ranges_tensor
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.grad_norm import local_sumsq
@@ -117,7 +118,7 @@ class DistributedAdamW:
         """Copy the master shard into the model's parameters on every dp rank."""
         self._param_shard.copy_(self.master)
         if self.layout.dp > 1:
-            dist.all_gather_single(self.param_flat, self._param_shard.clone(), group=self.dp_group)
+            all_gather_flat(self.param_flat, self._param_shard.clone(), self.dp_group)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megatier.optim.collectives import reduce_scatter_flat
 from megatier.optim.flat import FlatLayout
 
 
@@ -61,7 +62,7 @@ class GradBuffer:
             return self.flat[lo:hi].clone()
         shard = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.flat.device)
         self.flat.div_(dp)
-        dist.reduce_scatter_single(shard, self.flat, group=self.dp_group)
+        reduce_scatter_flat(shard, self.flat, self.dp_group)
         return shard
 
     def remove_hooks(self) -> None:

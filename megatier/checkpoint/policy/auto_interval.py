@@ -29,8 +29,13 @@ from typing import Optional
 import torch
 
 from megatier import ops
-from megatier.checkpoint.policy.interval import IntervalChoice, IntervalCosts, choose_interval, failures_per_step
-from megatier.checkpoint.policy.rules import auto_min_interval
+from megatier.checkpoint.policy.interval import (
+    IntervalChoice,
+    IntervalCosts,
+    auto_min_interval,
+    choose_interval,
+    failures_per_step,
+)
 from megatier.config import CheckpointConfig
 
 REPLAY_SAMPLE = 1 << 20  # elements of the shard the replay is timed on
@@ -38,7 +43,7 @@ REPLAY_STEPS = 4
 
 
 def provisional_interval(cfg: CheckpointConfig) -> int:
-    """The smallest interval ``auto`` may choose (:func:`~megatier.checkpoint.policy.rules.auto_min_interval`);
+    """The smallest interval ``auto`` may choose (:func:`~megatier.checkpoint.policy.interval.auto_min_interval`);
     until the decision it stands in wherever a number is needed (Tier-2 pacing)."""
     return auto_min_interval(cfg)
 

@@ -32,6 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from megatier.config.schema import CheckpointConfig
+
 
 @dataclass(frozen=True)
 class IntervalCosts:
@@ -100,3 +102,10 @@ def choose_interval(c: IntervalCosts, p: float, *, batch: int, min_interval: int
     choices = [n for n in (down, up) if n >= lowest and (max_interval is None or n <= max_interval)] or [down]
     best = min(choices, key=lambda n: expected_step_s(n, c, p))
     return IntervalChoice(best, optimum, expected_goodput(best, c, p), bound)
+
+
+def auto_min_interval(cfg: CheckpointConfig) -> int:
+    """The smallest interval ``base_interval=auto`` may choose: the warm-up plus a capture window, in whole diff
+    batches (the first base's capture starts after the decision)."""
+    batch = cfg.diff.batch
+    return -(-(cfg.auto_warmup_steps + cfg.capture_steps) // batch) * batch

@@ -26,6 +26,7 @@ import warnings
 from typing import Optional
 from urllib.parse import urlparse
 
+from megatier.checkpoint.policy.interval import auto_min_interval
 from megatier.config.schema import CheckpointConfig, ConfigError
 from megatier.config.schema import require as _require
 
@@ -75,13 +76,6 @@ def _check_interval(cfg: CheckpointConfig) -> None:
     _require(1 <= cfg.capture_steps <= cfg.base_interval,
              f"checkpoint.capture_steps={cfg.capture_steps} must be between 1 and checkpoint.base_interval="
              f"{cfg.base_interval}: a spread base is captured over the steps that end at its version")
-
-
-def auto_min_interval(cfg: CheckpointConfig) -> int:
-    """The smallest interval ``base_interval=auto`` may choose: the warm-up plus a capture window, in whole diff
-    batches (the first base's capture starts after the decision)."""
-    batch = cfg.diff.batch
-    return -(-(cfg.auto_warmup_steps + cfg.capture_steps) // batch) * batch
 
 
 def _check_auto(cfg: CheckpointConfig) -> None:

@@ -20,19 +20,10 @@ from megatier.checkpoint.format.payload import decode_base
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.tiers.base import TIER1
 from megatier.config import (
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,22 +35,12 @@ VARIANTS = [("snapshot", 1), ("spread", 1), ("spread", 3), ("spread", 7)]
 def _config(tmp: str, prefix: str, layout: tuple[int, int], capture: str, k: int) -> Config:
     tp, pp = layout
     job = f"cap-{capture}-{k}"
-    return Config(
-        model=ModelConfig(name="tiny-cap", num_layers=2, hidden_size=32, num_heads=4, max_position_embeddings=32,
-                          make_vocab_size_divisible_by=128),
-        parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=12, clip_grad=0.05),
-        data=DataConfig(prefix=prefix, seq_len=32),
-        train=TrainConfig(iters=20, global_batch_size=32, micro_batch_size=8, seed=5, device="cpu", threads=1,
-                          precision="fp16", eval_interval=10**6, eval_iters=1),
-        checkpoint=CheckpointConfig(enabled=True, tiers=["local"], base_interval=10, job_id=job,
-                                    base_capture=capture, capture_steps=k,
-                                    diff=DiffStreamConfig(batch=5, compression="fp32"),
-                                    local=LocalTierConfig(root=os.path.join(tmp, "shm"))),
-        logging=LoggingConfig(name=job, run_dir=os.path.join(tmp, "run", job), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-    )
-
+    return tiny_job(tmp, job, prefix, iters=20, tp=tp, pp=pp, run=os.path.join("run", job),
+                    model={"name": "tiny-cap", "num_layers": 2},
+                    optim={"warmup_iters": 12, "decay_iters": None, "clip_grad": 0.05},
+                    train={"global_batch_size": 32, "micro_batch_size": 8, "precision": "fp16"},
+                    checkpoint={"tiers": ["local"], "base_interval": 10, "base_capture": capture, "capture_steps": k,
+                                "diff": {"batch": 5}})
 
 def _plant_overflow(trainer: Trainer) -> None:
     """An fp16 overflow at OVERFLOW_STEP: inf in this rank's gradients before the update sees them."""

@@ -19,7 +19,7 @@ from megatier.checkpoint.offline.plan import Cluster, plan
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.config import compose_config
 from megatier.drill.cluster import LocalCluster
-from tests.conftest import REPO
+from megatier.drill.job import trainer_command
 
 JOB = "planned"
 
@@ -46,10 +46,15 @@ def _held(work: Path) -> dict[str, dict[int, dict[str, list[int]]]]:
 @pytest.mark.timeout(300)
 def test_the_plan_matches_the_payloads_a_run_holds(tmp_path, corpus_prefix):
     overrides = _overrides(tmp_path, corpus_prefix)
-    env = {i: {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"} for i in range(2)}
-    cluster = LocalCluster(2, 1, [str(REPO / "pretrain_gpt.py"), *overrides], node_env=env)
+    # Killed after step 23, mid-batch: node memory then holds what a running job holds, the open batch's step
+    # units among them (a clean exit closes the batch, and they are gone).
+    env = {i: {"OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "MEGATIER_CRASH_AT": "train.step_end:23"}
+           for i in range(2)}
+    cluster = LocalCluster(2, 1, trainer_command(overrides), node_env=env)
     cluster.start()
-    assert cluster.wait(fail_grace_s=5.0, timeout_s=240) == 0
+    assert cluster.wait(fail_grace_s=5.0, timeout_s=240) != 0
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f][-1] == 23
     sp = plan(compose_config(overrides), Cluster(2, 1))
     held = _held(tmp_path)
     assert sorted(held) == ["node0", "node1"]

@@ -24,23 +24,13 @@ from megatier.checkpoint.tiers.base import TIER1, TIER2
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.config import (
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RemoteTierConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.ops.records import CompressedRecord
 from megatier.training.trainer import Trainer
 from tests.checkpoint_fakes import FlakyStore
 from tests.conftest import REPO
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(180)
@@ -50,23 +40,12 @@ WORLD, PER_NODE = 4, 2
 
 def _config(tmp: str, prefix: str, *, iters: int, tp: int = 2, compression: str = "fp32", base_interval: int = 10,
             remote_url: str | None = None, endpoint: str | None = None) -> Config:
-    return Config(
-        model=ModelConfig(name="tiny3", num_layers=2, hidden_size=32, num_heads=4, max_position_embeddings=32,
-                          make_vocab_size_divisible_by=128),
-        parallel=ParallelConfig(tp=tp, pp=1, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2),
-        data=DataConfig(prefix=prefix, seq_len=32),
-        train=TrainConfig(iters=iters, global_batch_size=8 // tp, micro_batch_size=2 // tp, seed=3, device="cpu",
-                          threads=1,
-                          eval_interval=10**6, eval_iters=1),
-        checkpoint=CheckpointConfig(enabled=True, base_interval=base_interval, job_id=JOB,
-                                    diff=DiffStreamConfig(batch=5, compression=compression, small_threshold=200),
-                                    local=LocalTierConfig(root=os.path.join(tmp, "shm")),
-                                    remote=RemoteTierConfig(url=remote_url or os.path.join(tmp, "remote"),
-                                                            endpoint_url=endpoint, keep_bases=2)),
-        logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, "run"), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-    )
+    return tiny_job(tmp, JOB, prefix, iters=iters, tp=tp, optim={"decay_iters": None},
+                    train={"global_batch_size": 8 // tp, "micro_batch_size": 2 // tp, "seed": 3},
+                    checkpoint={"base_interval": base_interval,
+                                "diff": {"batch": 5, "compression": compression, "small_threshold": 200},
+                                "remote": {"url": remote_url or os.path.join(tmp, "remote"), "endpoint_url": endpoint,
+                                           "keep_bases": 2}})
 
 
 def _as_node(rank: int) -> None:

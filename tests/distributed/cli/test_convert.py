@@ -19,24 +19,15 @@ from safetensors.torch import load_file
 
 from megatier.cli import convert
 from megatier.config import (
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
     ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RemoteTierConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.interop.gpt2 import load_gpt2
 from megatier.model.gpt import GPTStage, load_full_state
 from megatier.model.params import StageSpec
 from megatier.optim.canonical import ShardState, assemble, shard_pieces
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 from tests.hf_gpt2 import save_random_gpt2
 
@@ -50,21 +41,9 @@ MODEL = ModelConfig(name="tiny3", num_layers=3, hidden_size=32, num_heads=4, max
 
 def _config(prefix: str, tmp: str, run: str, degrees, iters: int, model: ModelConfig, codec: str) -> Config:
     tp, pp, _ = degrees
-    return Config(
-        model=model, parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2, decay_iters=20, clip_grad=1.0),
-        data=DataConfig(prefix=prefix, seq_len=32),
-        train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=5, device="cpu", threads=1,
-                          eval_interval=10**6, eval_iters=1),
-        # No final base: these exports replay the chain from base 6 (a final base would be the state itself).
-        checkpoint=CheckpointConfig(enabled=True, base_interval=6, job_id=JOB, final_base=False,
-                                    diff=DiffStreamConfig(batch=2, compression=codec),
-                                    local=LocalTierConfig(root=os.path.join(tmp, "shm")),
-                                    remote=RemoteTierConfig(url=os.path.join(tmp, "remote"))),
-        logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, run), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-    )
-
+    # No final base: these exports replay the chain from base 6 (a final base would be the state itself).
+    return tiny_job(tmp, JOB, prefix, iters=iters, tp=tp, pp=pp, run=run, model=model,
+                    checkpoint={"final_base": False, "diff": {"compression": codec}})
 
 def _run(rank: int, prefix: str, tmp: str, degrees, iters: int, model: ModelConfig = MODEL,
          codec: str = "fp32") -> dict:

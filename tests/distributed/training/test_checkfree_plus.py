@@ -12,21 +12,12 @@ import pytest
 import torch
 
 from megatier.config import (
-    CheckpointConfig,
     Config,
     ConfigError,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    WandbConfig,
     validate,
 )
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,22 +26,10 @@ STEPS = 4
 
 def _config(tmp: str, order: str, run: str = "run", checkpoint: str = "") -> Config:
     """``checkpoint``: "" (off), "stop" or "checkfree" (Tier-1 in <tmp>/shm, lossless diffs, last_resort)."""
-    return Config(
-        model=ModelConfig(name="tiny4", num_layers=4, hidden_size=32, num_heads=4, max_position_embeddings=32,
-                          pipeline_order=order),
-        parallel=ParallelConfig(tp=1, pp=4, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2, decay_iters=20, clip_grad=1.0),
-        data=DataConfig(prefix=Path(tmp, "corpus.txt").read_text(), seq_len=32),
-        train=TrainConfig(iters=STEPS, global_batch_size=8, micro_batch_size=2, seed=5, device="cpu", threads=1,
-                          eval_interval=10**6, eval_iters=1),
-        logging=LoggingConfig(name="cfplus", run_dir=os.path.join(tmp, run), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-        checkpoint=CheckpointConfig(enabled=bool(checkpoint), tiers=["local"], base_interval=4, job_id="cfplus",
-                                    diff=DiffStreamConfig(batch=2, compression="fp32"),
-                                    local=LocalTierConfig(root=os.path.join(tmp, "shm")),
-                                    last_resort=checkpoint or "stop"),
-    )
-
+    return tiny_job(tmp, "cfplus", Path(tmp, "corpus.txt").read_text(), iters=STEPS, pp=4, run=run,
+                    model={"name": "tiny4", "num_layers": 4, "pipeline_order": order},
+                    checkpoint={"tiers": ["local"], "base_interval": 4, "last_resort": checkpoint} if checkpoint
+                    else None)
 
 def _state(trainer: Trainer, names: list[str]) -> dict:
     """name -> (master, exp_avg, exp_avg_sq) of this rank's parameters ``names`` (dp = 1: the shard is whole)."""

@@ -23,17 +23,11 @@ import torch
 from megatier import ops
 from megatier.config import (
     Config,
-    DataConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.optim.adamw import DistributedAdamW
 from megatier.slicing import full_from_shards
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 STEPS = 5
@@ -47,19 +41,12 @@ PARAM_ATOL = 0.005 * LR
 
 
 def _config(tp: int, pp: int, dp: int, prefix: str, run_dir: str) -> Config:
-    return Config(
-        model=ModelConfig(name="tiny3", num_layers=3, hidden_size=32, num_heads=4, max_position_embeddings=32,
-                          make_vocab_size_divisible_by=256),
-        parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
-        # A high lr and clip 1.0 so the steps move the weights and clipping is active.
-        optim=OptimConfig(lr=LR, min_lr=LR / 10, warmup_iters=2, clip_grad=1.0),
-        data=DataConfig(prefix=prefix, seq_len=32),
-        # eval_iters batches per dp rank: 4 // dp keeps the validation samples the same in every layout.
-        train=TrainConfig(iters=STEPS, global_batch_size=8, micro_batch_size=2, seed=7, device="cpu", threads=1,
-                          eval_iters=4 // dp),
-        logging=LoggingConfig(name="layout", run_dir=run_dir, progress=False, wandb=WandbConfig(mode="disabled")),
-    )
-
+    # A high lr and clip 1.0 so the steps move the weights and clipping is active; eval_iters batches per dp
+    # rank: 4 // dp keeps the validation samples the same in every layout.
+    return tiny_job("", "layout", prefix, iters=STEPS, tp=tp, pp=pp, run=run_dir,
+                    model={"make_vocab_size_divisible_by": 256},
+                    optim={"lr": LR, "min_lr": LR / 10, "decay_iters": None},
+                    train={"seed": 7, "eval_interval": 50, "eval_iters": 4 // dp})
 
 def _replays_exactly(opt: DistributedAdamW, before: dict[str, torch.Tensor]) -> bool:
     """Re-apply the step from the exposed gradient shard, lr and count; must reproduce the state bit for bit."""

@@ -17,10 +17,11 @@ import torch
 from megatier.checkpoint.format.chain import chain_end
 from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.manager import CheckpointManager
-from megatier.checkpoint.policy.cadence import DurableCadence, save_thread_tiers, uploads_base
+from megatier.checkpoint.policy.cadence import uploads_base
 from megatier.checkpoint.reclaim.policy import remote_reclaim_set
 from megatier.checkpoint.tiers.base import JOB as JOB_SCOPE
 from megatier.checkpoint.tiers.base import TIER2, TIER3
+from megatier.checkpoint.tiers.durable import DurableCadence, save_thread_tiers
 from megatier.checkpoint.tiers.local import LocalTier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from tests.unit.checkpoint.memory import JOB, NODE0, MemoryTier, context, snapshot, step, tiny_shard

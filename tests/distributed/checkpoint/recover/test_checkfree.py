@@ -25,21 +25,10 @@ import torch
 from megatier.checkpoint.recover.checkfree import mix
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.config import (
-    CheckFreeConfig,
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RemoteTierConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(300)
@@ -49,22 +38,10 @@ CASES = {"pp4": ((1, 4, 1), 2), "tp2": ((2, 3, 1), 1), "dp2": ((1, 3, 2), 1)}  #
 
 def _config(tmp: str, run: str, iters: int, degrees, last_resort: str = "stop") -> Config:
     tp, pp, _ = degrees
-    return Config(
-        model=ModelConfig(name="tiny", num_layers=pp, hidden_size=32, num_heads=4, max_position_embeddings=32),
-        parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2, decay_iters=20, clip_grad=1.0),
-        data=DataConfig(prefix=Path(tmp, "corpus.txt").read_text(), seq_len=32),
-        train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=5, device="cpu", threads=1,
-                          eval_interval=10**6, eval_iters=1),
-        checkpoint=CheckpointConfig(enabled=True, tiers=["local", "remote"], base_interval=6, job_id=JOB,
-                                    diff=DiffStreamConfig(batch=2, compression="fp32"),
-                                    local=LocalTierConfig(root=os.path.join(tmp, "shm")),
-                                    remote=RemoteTierConfig(url=os.path.join(tmp, "remote")),
-                                    last_resort=last_resort, checkfree=CheckFreeConfig(lr_scale=1.1)),
-        logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, run), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-    )
-
+    return tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, tp=tp, pp=pp, run=run,
+                    model={"name": "tiny", "num_layers": pp},
+                    checkpoint={"tiers": ["local", "remote"], "last_resort": last_resort,
+                                "checkfree": {"lr_scale": 1.1}})
 
 def _first_run(rank: int, tmp: str, degrees) -> dict:
     os.environ["MEGATIER_NODE_NAME"] = "node0"

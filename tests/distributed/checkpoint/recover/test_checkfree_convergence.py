@@ -23,21 +23,11 @@ from pathlib import Path
 import pytest
 
 from megatier.config import (
-    CheckFreeConfig,
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.data.corpus import build_dataset, stdlib_files
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(600)
@@ -45,21 +35,13 @@ JOB, FAIL, AFTER, LOST, SEED = "cfconv", 400, 5, 2, 7
 
 
 def _config(tmp: str, memory: str, iters: int, init: str, seed: int) -> Config:
-    return Config(
-        model=ModelConfig(name="tiny", num_layers=4, hidden_size=64, num_heads=4, max_position_embeddings=128),
-        parallel=ParallelConfig(tp=1, pp=4, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=20, decay_iters=FAIL + AFTER),
-        data=DataConfig(prefix=Path(tmp, "corpus.txt").read_text(), seq_len=64),
-        train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=seed, device="cpu", threads=1,
-                          eval_interval=10**6, eval_iters=32),
-        checkpoint=CheckpointConfig(enabled=True, tiers=["local"], base_interval=50, job_id=JOB,
-                                    diff=DiffStreamConfig(batch=5, compression="fp32"),
-                                    local=LocalTierConfig(root=os.path.join(tmp, memory)),
-                                    last_resort="checkfree", checkfree=CheckFreeConfig(init=init)),
-        logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, f"run-{memory}"), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-    )
-
+    return tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, pp=4, run=f"run-{memory}", seq_len=64,
+                    model={"name": "tiny", "num_layers": 4, "hidden_size": 64, "max_position_embeddings": 128},
+                    optim={"warmup_iters": 20, "decay_iters": FAIL + AFTER},
+                    train={"seed": seed, "eval_iters": 32},
+                    checkpoint={"tiers": ["local"], "base_interval": 50, "diff": {"batch": 5},
+                                "local": {"root": os.path.join(tmp, memory)}, "last_resort": "checkfree",
+                                "checkfree": {"init": init}})
 
 def _train(rank: int, tmp: str, seed: int) -> None:
     os.environ["MEGATIER_NODE_NAME"] = "node0"

@@ -22,21 +22,11 @@ import torch
 
 from megatier.checkpoint.shard import ShardAccess
 from megatier.config import (
-    CheckpointConfig,
     Config,
-    DataConfig,
-    DiffStreamConfig,
-    LocalTierConfig,
-    LoggingConfig,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RemoteTierConfig,
-    TrainConfig,
-    WandbConfig,
 )
 from megatier.optim.canonical import ShardState, assemble, canonical_digest, cut_shard, shard_pieces
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(240)
@@ -47,22 +37,9 @@ def _config(tmp: str, run: str, degrees: tuple[int, int, int], iters: int, check
     """A tiny GPT of 3 layers (pp=2 splits it 2 + 1) on the byte corpus; the vocabulary is padded to 384 rows at
     tp=1 and 512 at tp=2, so resharding between them drops and adds padding."""
     tp, pp, _ = degrees
-    return Config(
-        model=ModelConfig(name="tiny3", num_layers=3, hidden_size=32, num_heads=4, max_position_embeddings=32,
-                          make_vocab_size_divisible_by=128),
-        parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
-        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_iters=2, decay_iters=20, clip_grad=1.0),
-        data=DataConfig(prefix=Path(tmp, "corpus.txt").read_text(), seq_len=32),
-        train=TrainConfig(iters=iters, global_batch_size=8, micro_batch_size=2, seed=5, device="cpu", threads=1,
-                          eval_interval=10**6, eval_iters=1),
-        checkpoint=CheckpointConfig(enabled=checkpoint, base_interval=6, job_id=JOB,
-                                    diff=DiffStreamConfig(batch=2, compression="fp32"),
-                                    local=LocalTierConfig(root=os.path.join(tmp, "shm")),
-                                    remote=RemoteTierConfig(url=os.path.join(tmp, "remote"))),
-        logging=LoggingConfig(name=JOB, run_dir=os.path.join(tmp, run), progress=False,
-                              wandb=WandbConfig(mode="disabled")),
-    )
-
+    # No final base: the restore replays the diffs after base 6 into the other layout.
+    return tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, tp=tp, pp=pp, run=run,
+                    checkpoint={"final_base": False} if checkpoint else None)
 
 def _as_node(rank: int, per_node: int) -> None:
     os.environ.update(MEGATIER_NODE_NAME=f"node{rank // per_node}", LOCAL_RANK=str(rank % per_node),
