@@ -12,12 +12,12 @@ complete names what it was (the caller's ``what``: operation and step) and the
 ranks that never reached it: before each collective a rank marks its arrival
 on the job's rendezvous store, so the ranks that did arrive can tell which did
 not (a stopped, hung or dead process). The marks are written by a helper
-thread (:class:`_Board`), in order: each is a round trip to the store, and at
-every batch end the loop paid two of them for the watermark sync (up to ~20 ms
-on a loaded box); a mark lands milliseconds later, long before any timeout
-reads the board. The watermark sync's all-gather itself runs on another helper
-thread (:meth:`GroupComm.gather_ints_async`): starting even gloo's
-asynchronous all-gather held the loop 1-6 ms. A transfer that does not
+thread (:class:`_Board`), in order: each is a round trip to the store, which
+the loop would otherwise pay twice at every batch end for the watermark sync;
+a mark lands milliseconds later, long before any timeout reads the board. The
+watermark sync's all-gather itself runs on another helper thread
+(:meth:`GroupComm.gather_ints_async`): even starting gloo's asynchronous
+all-gather holds the caller for milliseconds. A transfer that does not
 complete names the peer rank and the timeout.
 """
 from __future__ import annotations
@@ -163,8 +163,8 @@ class GroupComm(CheckpointComm):
         store = board if board is not None else _default_store()
         self.board = _Board(store) if store is not None else None
         self._seq = 0
-        # The started (async) gathers run here: starting even an asynchronous gloo all-gather held the loop
-        # 1-6 ms at each batch end on a loaded box. In order, so every rank runs them in the same order.
+        # The started (async) gathers run here: even starting an asynchronous gloo all-gather holds the caller
+        # for milliseconds. In order, so every rank runs them in the same order.
         self._background = _InOrder("megatier-ckpt-sync")
 
     def _key(self, seq: int, rank: int) -> str:

@@ -202,12 +202,10 @@ class CheckpointManager:
         of the save path held the loop (``ckpt_<part>_ms``; the whole stall is measured by the caller).
 
         The compression and the step unit's write run with the other threads of the loop's OpenMP team asleep
-        (:func:`~megatier.ops.run_with_team_parked`): an idle team thread otherwise spins through them, a
-        second core's worth of CPU (on the 2-core box the 4.3 ms hook cost 8.7-8.9 ms of process CPU, 5.1-5.5 so).
-        The compression goes outside when ``checkpoint.diff.threads`` asks for the team; the base capture's
-        copies may use the team; and the rest wakes the helper threads, which then hold the free core: a
-        team parked through it waited for a core to leave its region (1.5 ms at p90, 4.6 at p99, against
-        0.07 and 0.13 for the first part)."""
+        (:func:`~megatier.ops.run_with_team_parked`): an idle team thread otherwise spins through them and
+        burns a second core. The compression goes outside when ``checkpoint.diff.threads`` asks for the team;
+        the base capture's copies may use the team; and the rest wakes the helper threads, which then hold the
+        free core, so a team parked through that part would wait for a core to leave its region."""
         self._step = step
         if self._auto is not None:
             self._auto.step_done()
@@ -241,9 +239,9 @@ class CheckpointManager:
 
     def _compress(self, step: int, clock: _PhaseClock) -> tuple[DiffStep, int]:
         # Compressed here, in the loop (on a GPU, kernels on the training stream, as in TierCheck), by
-        # checkpoint.diff.threads of its CPU threads: ~1.4 ms for 1.7 M elements on one thread of the shared
-        # 2-core box. A helper thread doing it took twice the CPU and, preempting a member of the loop's team,
-        # held the whole step up; the team itself waits at each parallel pass's barrier for a preempted member.
+        # checkpoint.diff.threads of its CPU threads. A helper thread doing it costs more CPU and, preempting a
+        # member of the loop's team, holds the whole step up: the team waits at each parallel pass's barrier
+        # for a preempted member.
         out = self.shard.compress(step, *self.shard.consumed(), self.cfg.diff)
         clock.lap("compress")
         return out
@@ -272,8 +270,8 @@ class CheckpointManager:
         clock.lap("handover")
         # The helper threads are woken last (the replicator, the save thread, the capture's copier, the sync's
         # gather): a woken helper takes the GIL whenever the loop lets go of it (any write, any native call) and
-        # keeps it until it blocks or the switch interval (5 ms) runs out, so a helper woken early made each
-        # later part here wait (demo, 160 steps x 2: stall p99 9.8-11.0 ms before, 5.0-6.1 after; median 2.4-2.8).
+        # keeps it until it blocks or the switch interval (5 ms) runs out, so a helper woken early would make
+        # each later part here wait.
         for tier in self.ctx.tiers:  # every rank at the same step: Tier-2's ring transfers pair up
             tier.on_step(step)
         clock.lap("tick")
@@ -313,7 +311,7 @@ class CheckpointManager:
         return next((m[key] for t in self.ctx.tiers if key in (m := t.metrics())), None)
 
     def _save_step_unit(self, record) -> None:
-        """Write this step's record as a step unit into Tier-1 now (~1 ms for ~0.6 MiB on node memory) and keep
+        """Write this step's record as a step unit into Tier-1 now (a write to node memory) and keep
         it for the lockstep tiers' next tick."""
         draft = draft_diff_batch([record], job_id=self.ctx.job_id, layout=self.ctx.layout,
                                  fingerprint=self.ctx.fingerprint_id, step_unit=True)
@@ -357,7 +355,8 @@ class CheckpointManager:
         that have completed.
 
         The gather is not waited for here: a rank that reaches the batch end first would otherwise hold its
-        loop until the slowest rank arrives (10-80 ms on a loaded box). It completes while the ranks train, and
+        loop until the slowest rank arrives (tens of milliseconds on a loaded box). It completes while the ranks
+        train, and
         is read at the next batch end (or at once when it is already done, e.g. in a world of one), so the
         watermark and the ``rpo_*`` metrics are at most one batch old. At most one gather is left running.
         """

@@ -89,8 +89,8 @@ def compress_segments(
 
     ``addend``: compress ``flat + addend`` instead, leaving that sum in ``flat`` (before any feedback): bitwise
     ``flat.add_(addend)`` first, but on CPU folded into the compression's own pass over ``flat`` (error
-    feedback's residual plus a step's gradient: one read of the 4-byte-per-element shard fewer, ~1 ms of the
-    loop for the demo model's 3.3 M elements when the shard is not in cache).
+    feedback's residual plus a step's gradient: one read of the 4-byte-per-element shard fewer, which matters
+    when the shard is not in cache).
     """
     op = "compress_segments"
     check_flat(flat, op, "flat")

@@ -12,9 +12,9 @@ rank 0's among them, and this thread runs on global rank 0. So rank 0's
 uploader nudges the thread after each of its markers, naming the unit
 (:meth:`nudge`); a unit found still waiting for other ranks' markers is
 *awaited*, and while any is, the thread also polls every ``poll_s`` seconds.
-Otherwise it sleeps until the next nudge or a higher watermark. (Polling
-every second and at every watermark sync, 0.8 polls a step for the demo model
-on the 2-core box, took the coordinator 0.6-0.8 ms of CPU per step.)
+Otherwise it sleeps until the next nudge or a higher watermark: a poll costs
+listings of the store, and a poll that finds nothing new is CPU taken from the
+training loop's cores.
 
 What a poll reads: the two unit folders one level deep, then only the units
 not yet known committed (a committed unit changes only when this thread

@@ -6,8 +6,8 @@
 * ``spread`` with ``capture_schedule=checkflow``: one step (the second after
   the anchor) is profiled into operations (:mod:`.step_ops`), then the copy
   bandwidth is measured and a schedule solved once (:mod:`.schedule`) on the
-  copier's thread while the loop trains on (10-30 ms of work on a 2-core box
-  that the loop used to wait for); the schedule applies from the first
+  copier's thread while the loop trains on (tens of milliseconds of work the
+  loop need not wait for); the schedule applies from the first
   capture after it is ready, which waits for it only if the solve has not
   finished by then. Each part is then copied during the next step's
   operations, off the training thread, and the base is complete one step after

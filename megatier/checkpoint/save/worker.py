@@ -109,10 +109,10 @@ class SaveWorker:
     def submit_reclaim(self, watermark: Optional[int], tiers: Sequence[Tier]) -> None:
         """Have ``tiers`` reclaim what is behind ``watermark`` once everything submitted before is stored.
 
-        Deleting a base and its chain from node memory took the loop 20-50 ms at each watermark advance;
-        here it runs beside training. In submission order, so a tier never reclaims against units it has
-        not been given yet. Then the tiers' metrics are taken here too (:attr:`tier_metrics`): node memory's
-        bytes held walks its directory, 0.5-3.6 ms the loop paid at every batch end on the demo."""
+        Deleting a base and its chain from node memory takes tens of milliseconds, so it runs here, beside
+        training. In submission order, so a tier never reclaims against units it has not been given yet.
+        Then the tiers' metrics are taken here too (:attr:`tier_metrics`): node memory's bytes held walks its
+        directory, milliseconds the loop would pay at every batch end."""
         self._put(_ReclaimJob(watermark, tuple(tiers)), 0)
 
     def take(self, pid: PayloadId, timeout: float) -> EncodedPayload:

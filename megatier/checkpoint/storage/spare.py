@@ -2,9 +2,8 @@
 
 On tmpfs (node memory's default root) writing into a new file costs the kernel a
 fresh, zeroed page for every 4 KiB, and deleting it frees them again; writing over
-the pages of an existing file is a plain copy. On this project's 2-core box a
-3 MiB write costs 1.08 ms of CPU into a new file (plus 0.36 ms to unlink it later)
-and 0.25 ms over an old one. The units of one base interval are deleted together
+the pages of an existing file is a plain copy, several times cheaper in CPU
+(the unlink of a new file costs again). The units of one base interval are deleted together
 (step units once their batch is whole, batches and a base at reclamation) and
 replaced by units of the same sizes, so node memory keeps the files it deletes
 here, one pool per area, and writes the next unit of about the same size over one.
