@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.megatier-installed
 
-.PHONY: install demo lint test clean
+.PHONY: install demo lint test clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -35,6 +35,15 @@ lint: install
 
 test: lint
 	$(PY) -m pytest -n 2 tests
+
+# The lent GPU machine has no network: fetch here the pure-Python wheels it lacks (docs/benchmarks.md, "GPU").
+gpu-wheels: install
+	$(PY) -m tools.gpu.wheels --dest build/gpu-wheels
+
+# On the GPU machine (carry build/gpu-wheels): build, test and benchmark there, results under $$OUT. DRY=1 runs
+# here every phase that needs no GPU (the test suite does too).
+gpu-check:
+	bash tools/gpu/check.sh $(if $(DRY),--dry,)
 
 clean:
 	rm -rf build *.egg-info megatier/*.so runs outputs

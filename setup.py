@@ -11,6 +11,10 @@ of torch and a CUDA toolkit are present). Build knobs (environment variables):
   string to pass no ``-march``).
 * ``MEGATIER_NO_EXT=1``: skip the extension (megatier.ops then falls back to its
   pure-torch reference implementation, with a warning).
+
+Where pip cannot resolve the dependencies (a machine without network whose torch
+is another build), build the extension in place and put the checkout on
+``PYTHONPATH``: ``MEGATIER_CUDA=1 python setup.py build_ext --inplace``.
 """
 import glob
 import os
@@ -67,6 +71,32 @@ CXX_FLAGS = ["-O3", "-g0", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "
 NVCC_FLAGS = ["-O3", "--fmad=false", "-DMEGATIER_WITH_CUDA"]
 
 
+def cuda_kernels_wanted(mode: str, torch_cuda: "str | None", cuda_home: "str | None") -> bool:
+    """Whether to compile the CUDA kernels (MEGATIER_CUDA=``mode``, torch's CUDA version, the toolkit torch found);
+    a RuntimeError with one line saying what is wrong and what to do when they are asked for and cannot be built.
+    Torch guesses CUDA_HOME=/usr/local when it is unset: a folder without the CUDA headers is refused, since the
+    build would fail deep inside nvcc instead."""
+    if mode not in ("auto", "0", "1"):
+        raise RuntimeError(f"MEGATIER_CUDA must be auto, 0 or 1 (got {mode!r})")
+    if mode == "0":
+        return False
+    if torch_cuda is None:
+        if mode == "1":
+            raise RuntimeError("MEGATIER_CUDA=1 but the installed torch is a CPU build (torch.version.cuda is None); "
+                               "install a CUDA build of torch, or build the CPU kernels with MEGATIER_CUDA=0")
+        return False
+    if cuda_home is None:
+        if mode == "1":
+            raise RuntimeError(f"MEGATIER_CUDA=1 but no CUDA toolkit was found for torch's CUDA {torch_cuda}; set "
+                               f"CUDA_HOME to the toolkit that holds bin/nvcc and include/cuda_runtime.h")
+        return False
+    if not os.path.isfile(os.path.join(cuda_home, "include", "cuda_runtime.h")):
+        raise RuntimeError(f"CUDA_HOME={cuda_home} has no include/cuda_runtime.h (torch guesses /usr/local when "
+                           f"CUDA_HOME is unset); set CUDA_HOME to the CUDA toolkit with nvcc and its headers, or "
+                           f"MEGATIER_CUDA=0 to build the CPU kernels only")
+    return True
+
+
 def _native_extension():
     """The megatier._C extension and its build command class, or ([], {}) when skipped."""
     if os.environ.get("MEGATIER_NO_EXT", "0") == "1":
@@ -81,17 +111,8 @@ def _native_extension():
             "`pip install --no-build-isolation -e .` (or set MEGATIER_NO_EXT=1 to skip the native ops)"
         ) from exc
 
-    cuda_mode = os.environ.get("MEGATIER_CUDA", "auto").strip().lower()
-    if cuda_mode not in ("auto", "0", "1"):
-        raise RuntimeError(f"MEGATIER_CUDA must be auto, 0 or 1 (got {cuda_mode!r})")
-    cuda_possible = torch.version.cuda is not None and CUDA_HOME is not None and os.path.isdir(CUDA_HOME)
-    if cuda_mode == "1" and not cuda_possible:
-        raise RuntimeError(
-            "MEGATIER_CUDA=1 but the CUDA kernels cannot be built: "
-            f"torch.version.cuda={torch.version.cuda!r}, CUDA_HOME={CUDA_HOME!r}; "
-            "install a CUDA build of torch and a CUDA toolkit, or use MEGATIER_CUDA=auto"
-        )
-    with_cuda = cuda_possible and cuda_mode != "0"
+    with_cuda = cuda_kernels_wanted(os.environ.get("MEGATIER_CUDA", "auto").strip().lower(), torch.version.cuda,
+                                    CUDA_HOME)
 
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
     cxx = list(CXX_FLAGS)
@@ -115,29 +136,30 @@ def _native_extension():
     return [ext], {"build_ext": BuildExtension}
 
 
-EXT_MODULES, CMDCLASS = _native_extension()
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its functions
+    EXT_MODULES, CMDCLASS = _native_extension()
 
-setup(
-    name="megatier",
-    version="0.1.0",
-    description="Megatron-style 3D-parallel GPT trainer with tiered checkpointing",
-    # configs/ stays at the top of the repository, where users look for it; installed, it is megatier.configs.
-    packages=[*find_packages(include=["megatier", "megatier.*"]), "megatier.configs"],
-    package_dir={"megatier.configs": "configs"},
-    package_data={"megatier": ["_C.pyi"], "megatier.configs": ["*.yaml", "*/*.yaml"]},
-    python_requires=">=3.10",
-    install_requires=INSTALL_REQUIRES,
-    extras_require=EXTRAS,
-    entry_points={"console_scripts": [
-        "megatier-convert=megatier.cli.convert:main",
-        "megatier-drill=megatier.cli.drill:main",
-        "megatier-inspect=megatier.cli.inspect:main",
-        "megatier-launch=megatier.cli.launch:main",
-        "megatier-plot=megatier.cli.plot:main",
-        "megatier-preprocess=megatier.cli.preprocess:main",
-        "megatier-topology=megatier.cli.topology:main",
-        "megatier-train=megatier.train:main",
-    ]},
-    ext_modules=EXT_MODULES,
-    cmdclass=CMDCLASS,
-)
+    setup(
+        name="megatier",
+        version="0.1.0",
+        description="Megatron-style 3D-parallel GPT trainer with tiered checkpointing",
+        # configs/ stays at the top of the repository, where users look for it; installed, it is megatier.configs.
+        packages=[*find_packages(include=["megatier", "megatier.*"]), "megatier.configs"],
+        package_dir={"megatier.configs": "configs"},
+        package_data={"megatier": ["_C.pyi"], "megatier.configs": ["*.yaml", "*/*.yaml"]},
+        python_requires=">=3.10",
+        install_requires=INSTALL_REQUIRES,
+        extras_require=EXTRAS,
+        entry_points={"console_scripts": [
+            "megatier-convert=megatier.cli.convert:main",
+            "megatier-drill=megatier.cli.drill:main",
+            "megatier-inspect=megatier.cli.inspect:main",
+            "megatier-launch=megatier.cli.launch:main",
+            "megatier-plot=megatier.cli.plot:main",
+            "megatier-preprocess=megatier.cli.preprocess:main",
+            "megatier-topology=megatier.cli.topology:main",
+            "megatier-train=megatier.train:main",
+        ]},
+        ext_modules=EXT_MODULES,
+        cmdclass=CMDCLASS,
+    )

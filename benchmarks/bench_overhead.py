@@ -293,11 +293,16 @@ def run_one(spec: str, tag: str, args, dirs: dict, rank: int) -> dict:
     records = read_steps(os.path.join(run_dir, "metrics.jsonl"))
     window = [r for r in records if r["step"] > args.warmup]
     step_s = [r["iter_time_s"] + r.get("ckpt_stall_ms", 0.0) / 1000.0 for r in window]
+    stalls = sorted(r.get("ckpt_stall_ms", 0.0) for r in window)
     out.update(steps=len(window), mean_step_s=statistics.fmean(step_s), median_step_s=statistics.median(step_s),
                mean_compute_s=statistics.fmean(r["iter_time_s"] for r in window),
-               mean_stall_ms=statistics.fmean(r.get("ckpt_stall_ms", 0.0) for r in window),
-               max_stall_ms=max(r.get("ckpt_stall_ms", 0.0) for r in window),
+               mean_stall_ms=statistics.fmean(stalls), median_stall_ms=statistics.median(stalls),
+               p99_stall_ms=stalls[min(len(stalls) - 1, int(0.99 * len(stalls)))], max_stall_ms=stalls[-1],
                shard_state_bytes=3 * 4 * trainer.optimizer.master.numel())
+    if trainer.device.type == "cuda":  # what the row's checkpointing adds to the GPU's memory, over the run
+        import torch
+
+        out["peak_gpu_mib"] = torch.cuda.max_memory_allocated(trainer.device) / 2**20
     if baseline is not None:
         out.update(baseline.summary())
     if manager is not None:

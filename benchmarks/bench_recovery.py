@@ -290,14 +290,23 @@ def time_decode(payloads: list, layout) -> tuple[float, list]:
     return time.perf_counter() - t, steps
 
 
+def now(shard) -> float:
+    """The clock once the shard's device has finished what was queued (GPU kernels run asynchronously)."""
+    if shard.optimizer.master.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(shard.optimizer.master.device)
+    return time.perf_counter()
+
+
 def time_replay(shard, base, units: list[list]) -> float:
     """Seconds to replay ``units`` (one kernel call each) onto ``base``, then publish once."""
     shard.load_base(base)  # not timed: identical for every method
-    t = time.perf_counter()
+    t = now(shard)
     for unit in units:
         shard.replay(unit)
     shard.publish()
-    return time.perf_counter() - t
+    return now(shard) - t
 
 
 def median_replay(shard, base, units: list[list], repeats: int) -> tuple[float, dict]:
@@ -308,14 +317,14 @@ def median_replay(shard, base, units: list[list], repeats: int) -> tuple[float, 
 def time_recompute(trainer, shard, base, start: int, chains: list[int]) -> tuple[dict, dict]:
     """Recompute from the base over the longest chain; seconds and state at each chain length."""
     shard.load_base(base)
-    t = time.perf_counter()
+    t = now(shard)
     shard.publish()
-    elapsed = time.perf_counter() - t
+    elapsed = now(shard) - t
     laps, states = {}, {}
     for s in range(start + 1, start + max(chains) + 1):
-        t = time.perf_counter()
+        t = now(shard)
         trainer.train_step(s)
-        elapsed += time.perf_counter() - t
+        elapsed += now(shard) - t
         if s - start in chains:
             laps[s - start], states[s - start] = elapsed, snapshot(trainer.optimizer)  # copy not timed
     return laps, states
@@ -323,9 +332,9 @@ def time_recompute(trainer, shard, base, start: int, chains: list[int]) -> tuple
 
 def time_load_base(shard, base, repeats: int) -> float:
     def once() -> float:
-        t = time.perf_counter()
+        t = now(shard)
         shard.load_base(base)
-        return time.perf_counter() - t
+        return now(shard) - t
 
     return statistics.median(once() for _ in range(repeats))
 
