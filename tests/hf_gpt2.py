@@ -12,7 +12,7 @@ def save_random_gpt2(path: str, cfg: ModelConfig, vocab_size: int, seed: int = 0
 
     config = GPT2Config(n_embd=cfg.hidden_size, n_layer=cfg.num_layers, n_head=cfg.num_heads,
                         n_positions=cfg.max_position_embeddings, n_inner=cfg.ffn_hidden_size, vocab_size=vocab_size,
-                        layer_norm_epsilon=cfg.layernorm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        layer_norm_epsilon=cfg.norm_eps, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **overrides)
     torch.manual_seed(seed)
     model = GPT2LMHeadModel(config)

@@ -1,10 +1,12 @@
-"""Export a job's checkpoint as a Hugging Face GPT-2 directory, from any tier and any layout.
+"""Export a job's checkpoint as a Hugging Face directory (GPT-2 or Llama), from any tier and any layout.
 
     megatier-convert export --job-id run42 out/gpt2
     megatier-convert export --job-id run42 --step 800 --tier tier3 --data-prefix data/corpus out/gpt2-800 \\
         --local-root /dev/shm/megatier --remote-url s3://bucket/runs --endpoint-url http://127.0.0.1:9000
 
-Writes ``config.json`` and ``model.safetensors`` (fp32, GPT-2 names, Conv1D
+For a ``model.arch=llama`` job the directory is a ``transformers.LlamaForCausalLM`` one (its names and
+config.json: :mod:`megatier.interop.llama`). For GPT-2, it writes ``config.json`` and ``model.safetensors``
+(fp32, GPT-2 names, Conv1D
 orientation, the true vocabulary) that ``transformers.GPT2LMHeadModel
 .from_pretrained`` loads, plus the tokenizer files of ``--data-prefix`` when
 its data used BPE. The state is the one a restore of the job installs at the
@@ -47,8 +49,8 @@ from megatier.cli.inspect import human
 from megatier.config import CheckpointConfig, ModelConfig
 from megatier.data.corpus import find_cached_corpus
 from megatier.data.indexed import IndexedDataset
-from megatier.interop.gpt2 import export_gpt2
-from megatier.interop.gpt2_config import GPT2FormatError
+from megatier.interop.hf_files import HFFormatError
+from megatier.interop.huggingface import export_hf
 from megatier.optim.canonical import canonical_digest
 from megatier.parallel.layout import layout_str
 
@@ -148,8 +150,8 @@ def export(args: argparse.Namespace) -> list[str]:
     weights = {name: kinds["master"] for name, kinds in rebuilt.canonical.items()}
     check_output(args.out_dir)  # nothing appeared meanwhile
     try:
-        export_gpt2(weights, model_cfg, args.out_dir, tokenizer=tokenizer)
-    except GPT2FormatError as e:
+        export_hf(weights, model_cfg, args.out_dir, tokenizer=tokenizer)
+    except HFFormatError as e:
         raise ExportError(str(e)) from None
     return [_point_line(args.job_id, point, fp_id), _read_line(rebuilt),
             *(f"fallback: {line}" for line in rebuilt.fallbacks), _replay_line(point, rebuilt),
@@ -174,7 +176,7 @@ class _Parser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = _Parser(prog="megatier-convert", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
-    e = sub.add_parser("export", help="write a Hugging Face GPT-2 directory from a job's checkpoint")
+    e = sub.add_parser("export", help="write a Hugging Face directory (GPT-2 or Llama) from a job's checkpoint")
     e.add_argument("out_dir", help="the directory to write (new or empty)")
     e.add_argument("--job-id", required=True, help="checkpoint.job_id of the run")
     e.add_argument("--step", type=_step, default=None,

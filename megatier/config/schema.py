@@ -19,22 +19,34 @@ def require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+ARCHS = ("gpt2", "llama")
+RECOMPUTE = ("none", "selective", "full")
+
+
 @dataclass
 class ModelConfig:
-    """GPT-2 shape. ``ffn_hidden_size`` defaults to 4 * hidden_size."""
+    """A decoder's shape. ``ffn_hidden_size`` defaults to 4 * hidden_size (gpt2) or to Llama's
+    8/3 * hidden_size rounded up to a multiple of 256 (llama)."""
 
     name: str = "tiny"
+    # The block: "gpt2" (learned positions, LayerNorm, GELU MLP, biases, head tied to the embedding) or "llama"
+    # (rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases, an untied head).
+    arch: str = "gpt2"
     num_layers: int = 2
     hidden_size: int = 64
     num_heads: int = 4
     ffn_hidden_size: Optional[int] = None
+    # llama: the key/value heads (grouped-query attention; None: one per query head); tp must divide them.
+    num_query_groups: Optional[int] = None
+    # llama: the base of the rotary position embedding's frequencies.
+    rope_theta: float = 10000.0
     max_position_embeddings: int = 128
     # None: taken from the dataset's tokenizer, then padded (see padded_vocab_size).
     vocab_size: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    layernorm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # the LayerNorms' (gpt2) or RMSNorms' (llama) epsilon
     init_std: float = 0.02
     # A Hugging Face GPT-2 directory (config.json + model.safetensors) of this shape to start from (fine-tuning):
     # the weights replace the initialisation before the optimizer copies them; Adam moments start at zero.
@@ -51,6 +63,19 @@ class ModelConfig:
     # and final LayerNorm on the neighbouring stages, so a lost first or last stage can be rebuilt;
     # megatier.parallel.checkfree_plus). Needs parallel.pp >= 4, num_layers divisible by pp, >= 2 micro-batches.
     pipeline_order: str = "standard"
+    # Activation recomputation: "none"; "selective" (the attention core: its inputs are kept, its scores and
+    # probabilities recomputed in the backward); "full" (each block keeps only its input). The dropout masks are
+    # drawn again identically, so the gradients are those of "none".
+    recompute: str = "none"
+
+
+def ffn_size(m: "ModelConfig") -> int:
+    """The MLP's hidden size: ``ffn_hidden_size``, else GPT-2's 4 h, or Llama's 8/3 h rounded up to 256."""
+    if m.ffn_hidden_size:
+        return m.ffn_hidden_size
+    if m.arch == "llama":
+        return -(-(8 * m.hidden_size // 3) // 256) * 256
+    return 4 * m.hidden_size
 
 
 @dataclass
@@ -59,6 +84,11 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
+    # Sequence parallelism (Megatron's): the norms, dropouts and residual adds run on sequence slices of each tp
+    # rank; the column-parallel linears all-gather the sequence first and the row-parallel ones reduce-scatter
+    # it after. The same loss and gradients, and tp times less activation memory outside the linears. No
+    # effect at tp=1.
+    sequence_parallel: bool = False
     # Seconds any collective may take before the run fails instead of hanging.
     timeout_s: float = 600.0
 

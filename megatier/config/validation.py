@@ -11,8 +11,32 @@ import os
 from typing import Optional
 
 from megatier.config.fast_path_validation import check_fast_path_config
-from megatier.config.schema import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
+from megatier.config.schema import ARCHS, RECOMPUTE, Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, ffn_size
 from megatier.config.schema import require as _require
+
+
+def _validate_arch(m: ModelConfig, tp: int) -> None:
+    _require(m.arch in ARCHS, f"model.arch={m.arch!r} must be one of {', '.join(ARCHS)}")
+    _require(m.recompute in RECOMPUTE, f"model.recompute={m.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+    if m.arch != "llama":
+        _require(m.num_query_groups is None, f"model.num_query_groups={m.num_query_groups} is for model.arch=llama "
+                                             f"(grouped-query attention); unset it for {m.arch}")
+        return
+    groups = m.num_query_groups or m.num_heads
+    _require(groups > 0 and m.num_heads % groups == 0, f"model.num_query_groups={groups} must divide "
+                                                       f"model.num_heads={m.num_heads}")
+    _require(groups % tp == 0, f"parallel.tp={tp} does not divide model.num_query_groups={groups} (the key/value "
+                               f"heads); use a tp that divides them")
+    _require((m.hidden_size // m.num_heads) % 2 == 0, f"model.hidden_size / model.num_heads = "
+                                                      f"{m.hidden_size // m.num_heads} must be even for rotary "
+                                                      f"positions")
+    _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
+    _require(m.layernorm_impl == "native", f"model.layernorm_impl={m.layernorm_impl!r} is a LayerNorm; llama's "
+                                           f"RMSNorm has model.layernorm_impl=native")
+    _require(m.pipeline_order != "checkfree_plus", "model.pipeline_order=checkfree_plus rebuilds a lost first stage's "
+                                                    "word embedding from the tied output head; llama's head is not "
+                                                    "tied: use pipeline_order=standard (CheckFree still rebuilds an "
+                                                    "intermediate stage)")
 
 
 def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
@@ -33,9 +57,10 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
         m.num_heads % tp == 0,
         f"parallel.tp={tp} does not divide model.num_heads={m.num_heads}; use a tp that divides the head count",
     )
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    ffn = ffn_size(m)
     _require(ffn % tp == 0, f"parallel.tp={tp} does not divide the FFN size {ffn}; change model.ffn_hidden_size or "
                             "parallel.tp")
+    _validate_arch(m, tp)
     _require(
         m.num_layers >= pp,
         f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each pipeline stage needs at least one layer",
@@ -130,6 +155,12 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)
+    if p.sequence_parallel and p.tp > 1:
+        _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel cuts the sequence across tp: "
+                                               f"data.seq_len={cfg.data.seq_len} must be a multiple of "
+                                               f"parallel.tp={p.tp}")
+        _require(cfg.model.impl == "native", f"parallel.sequence_parallel runs on the native blocks; "
+                                             f"model.impl={cfg.model.impl} has its own (set model.impl=native)")
     w = cfg.logging.wandb
     _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
                                                           "disabled")

@@ -1,5 +1,8 @@
 """Interoperability with other frameworks' model files.
 
-    gpt2          export_gpt2 / load_gpt2: the canonical state <-> a Hugging Face GPT-2 directory
-    gpt2_config   config.json and tokenizer files of such a directory, and the checks that it fits a model
+    huggingface   export_hf / load_hf: the canonical state <-> a Hugging Face directory, by model.arch
+    gpt2          export_gpt2 / load_gpt2: GPT2LMHeadModel directories
+    gpt2_config   GPT-2's config.json and the checks that a directory fits a model
+    llama         export_llama / load_llama: LlamaForCausalLM directories, their config.json and its checks
+    hf_files      what every such directory has: config.json, weights, tokenizer files; HFFormatError
 """

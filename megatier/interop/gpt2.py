@@ -27,19 +27,19 @@ without the ``transformer.`` prefix and ignores the attention-mask buffers
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from megatier.config import ModelConfig
-from megatier.interop.gpt2_config import (
-    GPT2FormatError,
-    check_gpt2_config,
-    gpt2_config,
-    read_gpt2_config,
+from megatier.interop.gpt2_config import check_gpt2_config, gpt2_config, read_gpt2_config
+from megatier.interop.hf_files import (
+    HFFormatError,
+    check_state,
+    prepare_out_dir,
+    read_tensors,
+    write_model,
     write_tokenizer,
 )
 from megatier.model.params import canonical_shapes
@@ -65,23 +65,6 @@ def name_map(num_layers: int) -> list[tuple[str, str, bool]]:
                     ("final_norm.bias", "transformer.ln_f.bias", False)]
 
 
-def _check_state(state: dict[str, torch.Tensor], m: ModelConfig) -> int:
-    """The vocabulary of a canonical state that fits model config ``m``; one clear error otherwise."""
-    if "word.weight" not in state:
-        raise GPT2FormatError("the state has no word.weight; give the canonical state (full tensors by name)")
-    vocab = state["word.weight"].shape[0]
-    expected = canonical_shapes(m, vocab)
-    if state.keys() != expected.keys():
-        extra, missing = sorted(state.keys() - expected.keys()), sorted(expected.keys() - state.keys())
-        raise GPT2FormatError(f"the state's names do not match the model config: missing {missing[:3]}, "
-                              f"unexpected {extra[:3]}; gather every pp stage's tensors (without head_weight)")
-    for name, shape in expected.items():
-        if tuple(state[name].shape) != shape:
-            raise GPT2FormatError(f"state tensor {name} has shape {tuple(state[name].shape)} but the model config "
-                                  f"needs {shape}; export with the config the state was trained with")
-    return vocab
-
-
 def export_gpt2(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str, *,
                 tokenizer: Optional[dict] = None) -> None:
     """Write ``out_dir`` so that ``GPT2LMHeadModel.from_pretrained(out_dir)`` computes MegaTier's model.
@@ -93,50 +76,27 @@ def export_gpt2(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir:
     ``{"type": "byte"}`` has no files (ids are UTF-8 bytes) but sets eos/bos to
     its end-of-document id 256; None leaves both unset. Refuses a non-empty ``out_dir``.
     """
-    vocab = _check_state(state, model_cfg)
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise GPT2FormatError(f"{out_dir} exists and is not empty; export into a new or empty directory")
-    os.makedirs(out_dir, exist_ok=True)
+    vocab = check_state(state, model_cfg)
+    prepare_out_dir(out_dir)
     eod = write_tokenizer(out_dir, tokenizer, model_cfg.max_position_embeddings)
     tensors = {}
     for ours, theirs, transposed in name_map(model_cfg.num_layers):
         value = state[ours].detach().to(device="cpu", dtype=torch.float32)
-        tensors[theirs] = (value.t() if transposed else value).contiguous()
-    tmp = os.path.join(out_dir, f"model.safetensors.tmp{os.getpid()}")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)  # readable like config.json (save_file's temporary file is private, 0600)
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(gpt2_config(model_cfg, vocab, eod), f, indent=2, sort_keys=True)
-
-
-def _read_tensors(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face directory: model.safetensors, its sharded index, or pytorch_model.bin."""
-    single, index = os.path.join(path, "model.safetensors"), os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        return load_file(single)
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for name in files for k, v in load_file(os.path.join(path, name)).items()}
-    legacy = os.path.join(path, "pytorch_model.bin")
-    if os.path.isfile(legacy):
-        return torch.load(legacy, map_location="cpu", weights_only=True)
-    raise GPT2FormatError(f"{path} has no model.safetensors (or pytorch_model.bin); save the model with "
-                          f"save_pretrained or export_gpt2")
+        tensors[theirs] = value.t() if transposed else value
+    write_model(out_dir, tensors, gpt2_config(model_cfg, vocab, eod))
 
 
 def _gpt2_tensors(path: str) -> dict[str, torch.Tensor]:
     """The directory's tensors under ``transformer.``-prefixed names, without mask buffers; head checked tied."""
     tensors = {}
-    for key, value in _read_tensors(path).items():
+    for key, value in read_tensors(path).items():
         if key.endswith(_IGNORED_SUFFIXES):
             continue
         tensors[key if key.startswith(("transformer.", _HEAD)) else f"transformer.{key}"] = value
     head = tensors.pop(_HEAD, None)
     wte = tensors.get("transformer.wte.weight")
     if head is not None and wte is not None and not torch.equal(head, wte):
-        raise GPT2FormatError(f"{path}: lm_head.weight differs from transformer.wte.weight; MegaTier ties the "
+        raise HFFormatError(f"{path}: lm_head.weight differs from transformer.wte.weight; MegaTier ties the "
                               f"output head to the word embedding, so only tied GPT-2 models load")
     return tensors
 
@@ -147,7 +107,7 @@ def load_gpt2(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, t
     ``vocab_size`` is the model's true vocabulary (model.vocab_size or the
     data's); the directory's config.json and every tensor must match the
     model's shapes, and it must compute MegaTier's function (tanh GELU, tied
-    head). Raises GPT2FormatError with one line otherwise.
+    head). Raises HFFormatError with one line otherwise.
     """
     path = os.path.expanduser(path)
     check_gpt2_config(read_gpt2_config(path), model_cfg, vocab_size, path)
@@ -157,14 +117,14 @@ def load_gpt2(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, t
     unexpected = sorted(tensors.keys() - {theirs for _, theirs, _ in pairs})
     missing = [theirs for _, theirs, _ in pairs if theirs not in tensors]
     if unexpected or missing:
-        raise GPT2FormatError(f"{path}: the weights do not match its config.json (missing {missing[:3]}, "
+        raise HFFormatError(f"{path}: the weights do not match its config.json (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}); re-save the model with save_pretrained")
     state = {}
     for ours, theirs, transposed in pairs:
         value = tensors[theirs].to(torch.float32)
         value = value.t().contiguous() if transposed else value
         if tuple(value.shape) != expected[ours]:
-            raise GPT2FormatError(f"{path}: {theirs} has shape {tuple(tensors[theirs].shape)} where its config.json "
+            raise HFFormatError(f"{path}: {theirs} has shape {tuple(tensors[theirs].shape)} where its config.json "
                                   f"implies {expected[ours][::-1] if transposed else expected[ours]}; "
                                   f"re-save the model with save_pretrained")
         state[ours] = value

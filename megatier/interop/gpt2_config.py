@@ -14,24 +14,14 @@ transformers' fast tokenizers read), copied with a ``tokenizer_config.json``.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from typing import Optional
 
 from megatier.config import ModelConfig
-from megatier.data.tokenizer import EOD_TOKEN, load_tokenizer
+from megatier.config.schema import ffn_size
+from megatier.interop.hf_files import HFFormatError, read_config
 
 # GELU names transformers maps to the tanh approximation MegaTier's MLP computes.
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh")
-
-
-class GPT2FormatError(ValueError):
-    """A directory that is not a GPT-2 MegaTier can load, or a state that does not fit the model."""
-
-
-def _ffn(m: ModelConfig) -> int:
-    return m.ffn_hidden_size or 4 * m.hidden_size
 
 
 def gpt2_config(m: ModelConfig, vocab_size: int, eod_id: Optional[int]) -> dict:
@@ -39,8 +29,8 @@ def gpt2_config(m: ModelConfig, vocab_size: int, eod_id: Optional[int]) -> dict:
     return {
         "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
         "vocab_size": vocab_size, "n_positions": m.max_position_embeddings, "n_embd": m.hidden_size,
-        "n_layer": m.num_layers, "n_head": m.num_heads, "n_inner": _ffn(m),
-        "activation_function": "gelu_new", "layer_norm_epsilon": m.layernorm_eps, "initializer_range": m.init_std,
+        "n_layer": m.num_layers, "n_head": m.num_heads, "n_inner": ffn_size(m),
+        "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps, "initializer_range": m.init_std,
         # MegaTier drops out the embedding sum and each residual branch with hidden_dropout.
         "embd_pdrop": m.hidden_dropout, "resid_pdrop": m.hidden_dropout, "attn_pdrop": m.attention_dropout,
         "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
@@ -51,23 +41,7 @@ def gpt2_config(m: ModelConfig, vocab_size: int, eod_id: Optional[int]) -> dict:
 
 def read_gpt2_config(path: str) -> dict:
     """The config.json of directory ``path``; refuses a missing directory, file, or another model_type."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isdir(path):
-        raise GPT2FormatError(f"{path} is not a directory; give a directory written by export_gpt2 or "
-                              f"GPT2LMHeadModel.save_pretrained")
-    if not os.path.isfile(config_path):
-        raise GPT2FormatError(f"{path} has no config.json, so it is not a Hugging Face model directory; give a "
-                              f"directory written by export_gpt2 or GPT2LMHeadModel.save_pretrained")
-    with open(config_path) as f:
-        try:
-            config = json.load(f)
-        except json.JSONDecodeError as e:
-            raise GPT2FormatError(f"{config_path} is not valid JSON ({e}); re-export the model") from None
-    kind = config.get("model_type")
-    if kind != "gpt2":
-        raise GPT2FormatError(f"{config_path} describes model_type={kind!r}, not 'gpt2'; MegaTier loads only "
-                              f"GPT-2 (GPT2LMHeadModel) directories")
-    return config
+    return read_config(path, "gpt2", "megatier-convert export or GPT2LMHeadModel.save_pretrained")
 
 
 def _function_mismatches(config: dict, m: ModelConfig) -> list[str]:
@@ -81,8 +55,8 @@ def _function_mismatches(config: dict, m: ModelConfig) -> list[str]:
     if config.get("add_cross_attention", False):
         problems.append("cross-attention layers")
     eps = config.get("layer_norm_epsilon", 1e-5)
-    if eps != m.layernorm_eps:
-        problems.append(f"layer_norm_epsilon={eps} (set model.layernorm_eps={eps})")
+    if eps != m.norm_eps:
+        problems.append(f"layer_norm_epsilon={eps} (set model.norm_eps={eps})")
     return problems
 
 
@@ -92,7 +66,7 @@ def check_gpt2_config(config: dict, m: ModelConfig, vocab_size: int, path: str) 
     pairs = [("n_layer", config.get("n_layer"), "model.num_layers", m.num_layers),
              ("n_embd", config.get("n_embd"), "model.hidden_size", m.hidden_size),
              ("n_head", config.get("n_head"), "model.num_heads", m.num_heads),
-             ("n_inner", n_inner, "model.ffn_hidden_size", _ffn(m)),
+             ("n_inner", n_inner, "model.ffn_hidden_size", ffn_size(m)),
              ("n_positions", config.get("n_positions"), "model.max_position_embeddings", m.max_position_embeddings),
              ("vocab_size", config.get("vocab_size"), "model.vocab_size", vocab_size)]
     differ = [(hf, theirs, ours, mine) for hf, theirs, ours, mine in pairs if theirs != mine]
@@ -101,23 +75,9 @@ def check_gpt2_config(config: dict, m: ModelConfig, vocab_size: int, path: str) 
         want = ", ".join(f"{ours}={mine}" for _, _, ours, mine in differ)
         fix = " ".join(f"{ours}={theirs}" for _, theirs, ours, _ in differ)
         note = " (the data's vocabulary must fit in it)" if differ[-1][0] == "vocab_size" else ""
-        raise GPT2FormatError(f"{path} holds a GPT-2 with {have} but the model has {want}; set {fix} to load it"
+        raise HFFormatError(f"{path} holds a GPT-2 with {have} but the model has {want}; set {fix} to load it"
                               f"{note}")
     problems = _function_mismatches(config, m)
     if problems:
-        raise GPT2FormatError(f"{path}: this GPT-2 computes another function than MegaTier's: "
+        raise HFFormatError(f"{path}: this GPT-2 computes another function than MegaTier's: "
                               f"{'; '.join(problems)}")
-
-
-def write_tokenizer(out_dir: str, spec: Optional[dict], max_length: int) -> Optional[int]:
-    """Write the tokenizer files of dataset tokenizer ``spec`` (none for byte or None); returns its eod id."""
-    if spec is None:
-        return None
-    tok = load_tokenizer(spec)
-    if spec["type"] == "bpe":
-        shutil.copyfile(tok.path, os.path.join(out_dir, "tokenizer.json"))
-        meta = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": EOD_TOKEN, "eos_token": EOD_TOKEN,
-                "unk_token": EOD_TOKEN, "model_max_length": max_length, "add_prefix_space": False}
-        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-            json.dump(meta, f, indent=2)
-    return tok.eod_id

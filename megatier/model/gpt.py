@@ -28,9 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatier.config import ModelConfig
+from megatier.config.schema import ffn_size
 from megatier.model import te_layers
 from megatier.model.fused import fused_layer_norm
-from megatier.model.params import COPIES, VOCAB_PARAMS, StageSpec, canonical_name, padded_vocab_size
+from megatier.model.llama import LlamaBlock, RMSNorm, rotary_tables
+from megatier.model.params import VOCAB_PARAMS, StageSpec, copies_of, padded_vocab_size
+from megatier.model.recompute import recomputed
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
 from megatier.parallel.layers import (
     ColumnParallelLinear,
@@ -38,59 +41,73 @@ from megatier.parallel.layers import (
     VocabParallelEmbedding,
     mark_partition,
 )
-from megatier.parallel.mappings import copy_to_region
+from megatier.parallel.mappings import copy_to_region, gather_from_sequence, scatter_to_sequence
 from megatier.seeding import derive_seed
 from megatier.slicing import shard_of_full
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup):
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool = False):
         super().__init__()
         tp = dist.get_world_size(group)
         self.local_heads = cfg.num_heads // tp
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.dropout = cfg.attention_dropout
+        self.selective = cfg.recompute == "selective"
         # Fused q/k/v; stride 3 keeps each rank's q, k and v heads together.
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, group=group, stride=3)
-        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, group=group, stride=3,
+                                        sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, group=group,
+                                      sequence_parallel=sequence_parallel)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim)  # (b, s, 3, nh/tp, hd)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, nh/tp, s, hd)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        qkv = self.qkv(x)  # the whole sequence (gathered first under sequence parallelism)
+        b, s, _ = qkv.shape
+        q, k, v = qkv.view(b, s, 3, self.local_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = recomputed(self._core, q, k, v) if self.selective and self.training else self._core(q, k, v)
         out = out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)  # (b, s, h/tp)
         return self.proj(out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup):
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool = False):
         super().__init__()
-        ffn = cfg.ffn_hidden_size or 4 * cfg.hidden_size
-        self.fc = ColumnParallelLinear(cfg.hidden_size, ffn, group=group)
-        self.proj = RowParallelLinear(ffn, cfg.hidden_size, group=group)
+        ffn = ffn_size(cfg)
+        self.fc = ColumnParallelLinear(cfg.hidden_size, ffn, group=group, sequence_parallel=sequence_parallel)
+        self.proj = RowParallelLinear(ffn, cfg.hidden_size, group=group, sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))  # GPT-2's GELU
 
 
-def _layer_norm(cfg: ModelConfig) -> nn.Module:
+def _layer_norm(cfg: ModelConfig, sequence_parallel: bool = False) -> nn.Module:
+    """The final norm of the stage, or a GPT-2 block's: LayerNorm (gpt2), RMSNorm (llama). Under sequence
+    parallelism it sees this rank's tokens only, so its parameters' gradients are partial sums over tp."""
+    if cfg.arch == "llama":
+        return RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)
     if cfg.layernorm_impl == "apex":
-        norm = fused_layer_norm(cfg.hidden_size, cfg.layernorm_eps)
+        norm = fused_layer_norm(cfg.hidden_size, cfg.norm_eps)
     else:
-        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layernorm_eps)
-    mark_partition(norm.weight, None)
-    mark_partition(norm.bias, None)
+        norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    for param in (norm.weight, norm.bias):
+        mark_partition(param, None)
+        if sequence_parallel:
+            param.sequence_parallel = True
     return norm
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout"):
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout",
+                 sequence_parallel: bool = False):
         super().__init__()
-        self.ln1 = _layer_norm(cfg)
-        self.attn = Attention(cfg, group)
-        self.ln2 = _layer_norm(cfg)
-        self.mlp = MLP(cfg, group)
+        self.ln1 = _layer_norm(cfg, sequence_parallel)
+        self.attn = Attention(cfg, group, sequence_parallel)
+        self.ln2 = _layer_norm(cfg, sequence_parallel)
+        self.mlp = MLP(cfg, group, sequence_parallel)
         self.hidden_dropout = hidden_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,30 +115,40 @@ class Block(nn.Module):
         return x + self.hidden_dropout(self.mlp(self.ln2(x)))
 
 
-def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout") -> nn.Module:
-    """A transformer block of ``model.impl``: native, or on Transformer Engine's layers with the same parameter
-    names (``te_layers.TEBlock``)."""
+def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout",
+           sequence_parallel: bool) -> nn.Module:
+    """A transformer block of ``model.arch`` and ``model.impl``: native, or on Transformer Engine's layers with
+    the same parameter names (``te_layers.TEBlock``)."""
+    if cfg.arch == "llama":
+        return LlamaBlock(cfg, group, hidden_dropout, sequence_parallel)
     if cfg.impl == "te":
         return te_layers.TEBlock(cfg, group, hidden_dropout)
-    return Block(cfg, group, hidden_dropout)
+    return Block(cfg, group, hidden_dropout, sequence_parallel)
 
 
 class HiddenDropout(nn.Module):
-    """Dropout on activations that are replicated across tp ranks.
+    """Dropout on activations that are replicated across tp ranks, or under sequence parallelism cut by tokens.
 
-    Draws its mask from a generator seeded identically on every tp rank of a
-    model replica, so replicated activations stay identical across tp.
+    Draws its mask from a generator seeded identically on every tp rank of a model replica, so replicated
+    activations stay identical across tp. With ``sequence_shard`` (this rank, tp) it draws the mask of the whole
+    sequence and keeps this rank's tokens: the masks of a run with and without sequence parallelism are equal.
     """
 
-    def __init__(self, p: float, generator: torch.Generator):
+    def __init__(self, p: float, generator: torch.Generator, sequence_shard: "tuple[int, int] | None" = None):
         super().__init__()
         self.p = p
         self.generator = generator
+        self.sequence_shard = sequence_shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+        if self.sequence_shard is None:
+            keep = torch.rand(x.shape, generator=self.generator, device=x.device) >= self.p
+        else:
+            rank, size = self.sequence_shard
+            whole = (x.shape[0], x.shape[1] * size, *x.shape[2:])
+            keep = (torch.rand(whole, generator=self.generator, device=x.device) >= self.p).chunk(size, dim=1)[rank]
         return x * keep / (1.0 - self.p)
 
 
@@ -140,25 +167,28 @@ class GPTStage(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, spec: StageSpec, *, tp_group: dist.ProcessGroup,
-                 dropout_generator: torch.Generator, fp8: bool = False):
+                 dropout_generator: torch.Generator, fp8: bool = False, sequence_parallel: bool = False):
         super().__init__()
         if fp8 and cfg.impl != "te":
             raise ValueError("fp8 runs Transformer Engine's layers in fp8: it needs model.impl=te")
         self.fp8_recipe = te_layers.fp8_recipe() if fp8 else None
         self.cfg, self.spec, self.tp_group = cfg, spec, tp_group
+        self.tied = cfg.arch == "gpt2"  # the output head is the word embedding (llama: a parameter of its own)
+        self.sequence_parallel = sp = sequence_parallel and spec.tp > 1
         self.vocab_size = vocab_size
         self.padded_vocab_size = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
         self.vocab_start = spec.tp_rank * (self.padded_vocab_size // spec.tp)
-        dropout = HiddenDropout(cfg.hidden_dropout, dropout_generator)
+        dropout = HiddenDropout(cfg.hidden_dropout, dropout_generator, (spec.tp_rank, spec.tp) if sp else None)
         self.embed_dropout = dropout
         if spec.is_first:
             self.word = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, group=tp_group)
-            self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            mark_partition(self.pos.weight, None)
-        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout) for i in spec.layers})
+            if cfg.arch == "gpt2":
+                self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                mark_partition(self.pos.weight, None)
+        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout, sp) for i in spec.layers})
         if spec.is_last:
-            self.final_norm = _layer_norm(cfg)
-            if not spec.is_first:
+            self.final_norm = _layer_norm(cfg, sp)
+            if not (spec.is_first and self.tied):
                 rows = self.padded_vocab_size // spec.tp
                 self.head_weight = mark_partition(nn.Parameter(torch.empty(rows, cfg.hidden_size)), 0)
         if "pos" in spec.replicas:  # not used in forward: a copy of stage 0's positions
@@ -170,9 +200,10 @@ class GPTStage(nn.Module):
 
     def _record_full_shapes(self) -> None:
         """param.full_shape = the full, unsharded, unpadded shape (vocab rows cut back to the true vocabulary);
-        param.copy_of = the parameter a copy holds ("" for one of its own; megatier.model.params.COPIES)."""
+        param.copy_of = the parameter a copy holds ("" for one of its own; megatier.model.params.copies_of)."""
+        copies = copies_of(self.cfg)
         for name, param in self.named_parameters():
-            param.copy_of = COPIES.get(name, "")
+            param.copy_of = copies.get(name, "")
             shape = list(param.shape)
             if param.tp_partition_dim is not None:
                 shape[param.tp_partition_dim] *= self.spec.tp
@@ -182,14 +213,14 @@ class GPTStage(nn.Module):
 
     @property
     def output_weight(self) -> nn.Parameter:
-        return self.word.weight if self.spec.is_first else self.head_weight
+        return self.word.weight if self.spec.is_first and self.tied else self.head_weight
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """x: token ids (b, s) on the first stage, else hidden states (b, s, h).
+        """x: token ids (b, s) on the first stage, else hidden states (b, s, h) (under sequence parallelism
+        (b, s/tp, h): this rank's tokens).
 
-        Returns hidden states (b, s, h) on non-last stages; on the last stage the
-        per-token loss (b, s) when labels are given, else vocab-parallel logits
-        (b, s, padded / tp) with -inf in the padded columns.
+        Returns hidden states on non-last stages (as they came); on the last stage the per-token loss (b, s)
+        when labels are given, else vocab-parallel logits (b, s, padded / tp) with -inf in the padded columns.
         """
         if self.spec.is_first:
             x = self.embed(x)
@@ -200,21 +231,37 @@ class GPTStage(nn.Module):
     # swapped order, megatier.parallel.route_schedule).
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """First stage: token ids (b, s) -> word + position embeddings (b, s, h)."""
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.embed_dropout(self.word(tokens) + self.pos(positions))
+        """First stage: token ids (b, s) -> word (+ position, gpt2) embeddings (b, s, h), or this rank's tokens
+        of them (b, s/tp, h) under sequence parallelism."""
+        x = self.word(tokens)
+        if self.cfg.arch == "gpt2":
+            x = x + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
+        if self.sequence_parallel:
+            x = scatter_to_sequence(x, self.tp_group)
+        return self.embed_dropout(x)
 
     def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's transformer layers: (b, s, h) -> (b, s, h)."""
+        """This stage's transformer layers: (b, s, h) -> (b, s, h) (this rank's tokens under sequence
+        parallelism); with ``model.recompute=full`` each layer keeps only its input for the backward."""
+        rope = ()
+        if self.cfg.arch == "llama":
+            seq = x.shape[1] * (self.spec.tp if self.sequence_parallel else 1)
+            rope = rotary_tables(seq, self.cfg.hidden_size // self.cfg.num_heads, self.cfg.rope_theta, x.device,
+                                 x.dtype)
+        full = self.cfg.recompute == "full" and self.training
         with te_layers.fp8_autocast(self.fp8_recipe):
             for layer in self.layers.values():
-                x = layer(x)
+                if full:
+                    x = recomputed(layer, x, *rope, generators=[self.embed_dropout.generator])
+                else:
+                    x = layer(x, *rope)
         return x
 
     def head(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Last stage: hidden states (b, s, h) -> per-token loss (b, s) with labels, else vocab-parallel logits
         (b, s, padded / tp) with -inf in the padded columns."""
-        x = copy_to_region(self.final_norm(x), self.tp_group)
+        x = self.final_norm(x)
+        x = gather_from_sequence(x, self.tp_group) if self.sequence_parallel else copy_to_region(x, self.tp_group)
         logits = F.linear(x, self.output_weight)  # (b, s, padded/tp)
         logits = mask_padded_vocab(logits, vocab_start=self.vocab_start, vocab_size=self.vocab_size)
         if labels is None:
@@ -222,8 +269,8 @@ class GPTStage(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels, vocab_start=self.vocab_start, group=self.tp_group)
 
     def shared_embedding_params(self) -> list[nn.Parameter]:
-        """Parameters whose gradients are all-reduced over the embedding group (pp > 1)."""
-        if self.spec.is_first == self.spec.is_last:
+        """Parameters whose gradients are all-reduced over the embedding group (pp > 1, a tied head)."""
+        if self.spec.is_first == self.spec.is_last or not self.tied:
             return []
         return [self.word.weight] if self.spec.is_first else [self.head_weight]
 
@@ -235,7 +282,7 @@ def shard_for(model: GPTStage, name: str, full: torch.Tensor) -> torch.Tensor:
     """
     param = model.get_parameter(name)
     if tuple(full.shape) != param.full_shape:
-        raise ValueError(f"{canonical_name(name)}: got a tensor of shape {tuple(full.shape)}, the model needs "
+        raise ValueError(f"{param.copy_of or name}: got a tensor of shape {tuple(full.shape)}, the model needs "
                          f"{param.full_shape}; build the state for this model's shape")
     if name in VOCAB_PARAMS:
         full = F.pad(full, (0, 0, 0, model.padded_vocab_size - full.shape[0]))  # (padded, h)
@@ -245,12 +292,12 @@ def shard_for(model: GPTStage, name: str, full: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def load_full_state(model: GPTStage, state: dict[str, torch.Tensor]) -> None:
     """Set every parameter to its slice of ``state[canonical_name(name)]`` (full, unpadded tensors by name)."""
-    missing = sorted({canonical_name(n) for n, _ in model.named_parameters()} - state.keys())
+    missing = sorted({p.copy_of or n for n, p in model.named_parameters()} - state.keys())
     if missing:
         raise ValueError(f"the state has no tensor for {', '.join(missing)}; give one full tensor per model "
                          f"parameter name")
     for name, param in model.named_parameters():
-        param.copy_(shard_for(model, name, state[canonical_name(name)]))
+        param.copy_(shard_for(model, name, state[param.copy_of or name]))
 
 
 def _initial_full(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -277,5 +324,5 @@ def init_weights(model: GPTStage, seed: int) -> None:
     Residual output projections get std / sqrt(2 * num_layers) (GPT-2).
     """
     for name, param in model.named_parameters():
-        full = _initial_full(model.cfg, canonical_name(name), param.full_shape, seed)
+        full = _initial_full(model.cfg, param.copy_of or name, param.full_shape, seed)
         param.copy_(shard_for(model, name, full))

@@ -1,6 +1,7 @@
 """What a GPT's parameters are, in one place: their names, full shapes, how tensor parallelism cuts them, which
 are copies of others, and which pipeline stage holds which.
 
+Two decoders share these names (``model.arch``): GPT-2 and Llama (:mod:`.llama` lists its parameters).
 Parameter names use global layer indices (``layers.7.attn.qkv.weight``) so a name means the same tensor in every
 layout. Pipeline split rule: stage i gets num_layers // pp layers, and the first num_layers % pp stages get one
 more (the last stage already carries the head). Vocabulary tensors (:data:`VOCAB_PARAMS`) hold
@@ -17,21 +18,25 @@ import math
 from dataclasses import dataclass
 
 from megatier.config import ModelConfig
+from megatier.config.schema import ffn_size
 from megatier.optim.flat import ParamSpec
 from megatier.parallel.checkfree_plus import REPLICA_SOURCES, replicas_of
-
-# Parameters that hold a copy of another stage's parameter -> the parameter they copy: the tied output head of a
-# last stage (pp > 1) and CheckFree+'s replicas of the position embedding and the final LayerNorm.
-COPIES = {"head_weight": "word.weight", **REPLICA_SOURCES}
 
 # Parameters with one row per vocabulary id; padded to padded_vocab_size rows in a GPTStage.
 VOCAB_PARAMS = ("word.weight", "head_weight")
 
 
+def copies_of(cfg: ModelConfig) -> dict[str, str]:
+    """Parameters that hold a copy of another stage's parameter -> the parameter they copy: GPT-2's output head
+    on a last stage (pp > 1; tied to the word embedding) and CheckFree+'s replicas of the position embedding and
+    the final LayerNorm. Llama's head is a parameter of its own."""
+    tied = {"head_weight": "word.weight"} if cfg.arch == "gpt2" else {}
+    return {**tied, **REPLICA_SOURCES}
 
-def canonical_name(name: str) -> str:
-    """The parameter whose values ``name`` holds: a copy's source, else the name itself."""
-    return COPIES.get(name, name)
+
+def canonical_name(name: str, cfg: ModelConfig = ModelConfig()) -> str:
+    """The parameter whose values ``name`` holds in a model of ``cfg``: a copy's source, else the name itself."""
+    return copies_of(cfg).get(name, name)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -68,37 +73,52 @@ class StageSpec:
 
 
 def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:
-    """Name -> full, unpadded shape of every parameter of the whole model (a pp=1 stage; no head_weight)."""
-    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size or 4 * cfg.hidden_size
-    shapes = {"word.weight": (vocab_size, h), "pos.weight": (cfg.max_position_embeddings, h)}
-    per_layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h), "attn.qkv.bias": (3 * h,),
-                 "attn.proj.weight": (h, h), "attn.proj.bias": (h,), "ln2.weight": (h,), "ln2.bias": (h,),
-                 "mlp.fc.weight": (ffn, h), "mlp.fc.bias": (ffn,), "mlp.proj.weight": (h, ffn),
-                 "mlp.proj.bias": (h,)}
+    """Name -> full, unpadded shape of every parameter of the whole model (a pp=1 stage: GPT-2's tied head is
+    the word embedding; Llama's is ``head_weight``)."""
+    h, ffn = cfg.hidden_size, ffn_size(cfg)
+    if cfg.arch == "llama":
+        heads, groups = cfg.num_heads, cfg.num_query_groups or cfg.num_heads
+        hd = h // heads
+        shapes = {"word.weight": (vocab_size, h)}
+        per_layer = {"ln1.weight": (h,), "attn.q.weight": (heads * hd, h), "attn.kv.weight": (2 * groups * hd, h),
+                     "attn.proj.weight": (h, heads * hd), "ln2.weight": (h,), "mlp.gate_up.weight": (2 * ffn, h),
+                     "mlp.proj.weight": (h, ffn)}
+        final = {"final_norm.weight": (h,), "head_weight": (vocab_size, h)}
+    else:
+        shapes = {"word.weight": (vocab_size, h), "pos.weight": (cfg.max_position_embeddings, h)}
+        per_layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h),
+                     "attn.qkv.bias": (3 * h,), "attn.proj.weight": (h, h), "attn.proj.bias": (h,),
+                     "ln2.weight": (h,), "ln2.bias": (h,), "mlp.fc.weight": (ffn, h), "mlp.fc.bias": (ffn,),
+                     "mlp.proj.weight": (h, ffn), "mlp.proj.bias": (h,)}
+        final = {"final_norm.weight": (h,), "final_norm.bias": (h,)}
     for i in range(cfg.num_layers):
         shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
-    shapes.update({"final_norm.weight": (h,), "final_norm.bias": (h,)})
+    shapes.update(final)
     return shapes
 
 
 # How the parallel layers cut each parameter across tp ranks, (dim, stride) by name (a layer's without its
-# "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (the fused qkv in 3 blocks),
-# RowParallelLinear input columns (its bias replicated), the vocabulary embedding and the head vocabulary rows.
+# "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (GPT-2's fused qkv in 3
+# blocks, Llama's stacked k/v and gate/up in 2), RowParallelLinear input columns (its bias replicated), the
+# vocabulary embedding and the head vocabulary rows.
 TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
-             "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1)}
+             "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1),
+             "attn.q.weight": (0, 1), "attn.kv.weight": (0, 2), "mlp.gate_up.weight": (0, 2)}
 
 
 def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list[ParamSpec]:
     """The parameters of ``GPTStage(cfg, vocab_size, spec)`` in its order (the flat buffer's), with this tp rank's
     shapes, without building it: what a size plan needs for a model that does not fit here. Equal to the
-    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape) (tested)."""
+    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape, copy_of) (tested)."""
     full = canonical_shapes(cfg, vocab_size)
+    copies = copies_of(cfg)
+    tied = cfg.arch == "gpt2"
     names = [n for n in full if n.startswith("layers.") and int(n.split(".")[1]) in spec.layers]
     if spec.is_first:
-        names = ["word.weight", "pos.weight"] + names
+        names = ["word.weight", *(["pos.weight"] if tied else [])] + names
     if spec.is_last:
-        names += ["final_norm.weight", "final_norm.bias"]
-    if spec.is_last and not spec.is_first:
+        names += [n for n in full if n.startswith("final_norm.")]
+    if spec.is_last and not (spec.is_first and tied):
         names = ["head_weight"] + names  # a parameter of the stage itself: named before its submodules'
     if "pos" in spec.replicas:
         names += ["pos_replica.weight"]
@@ -107,15 +127,15 @@ def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list
     padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
     out = []
     for name in names:
-        full_shape = full[canonical_name(name)]
+        full_shape = full[copies.get(name, name)]
         tp_dim, stride = TP_SPLITS.get(name.split(".", 2)[-1] if name.startswith("layers.") else name, (None, 1))
         shape = [padded, *full_shape[1:]] if name in VOCAB_PARAMS else list(full_shape)
         if tp_dim is not None:
             shape[tp_dim] //= spec.tp
-        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape, COPIES.get(name, "")))
+        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape, copies.get(name, "")))
     return out
 
 
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
-    """Parameters of the whole (unsharded) model with tied embeddings."""
+    """Parameters of the whole (unsharded) model (GPT-2's tied head counted once)."""
     return sum(math.prod(shape) for shape in canonical_shapes(cfg, vocab_size).values())

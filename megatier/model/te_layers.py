@@ -82,9 +82,9 @@ class TEBlock(nn.Module):
         self.attention_dropout = cfg.attention_dropout
         common = dict(tp_group=group, tp_size=tp, bias=True, params_dtype=torch.float32, device="cpu",
                       init_method=_leave)
-        ln_qkv = te.LayerNormLinear(h, 3 * h, eps=cfg.layernorm_eps, parallel_mode="column", **common)
+        ln_qkv = te.LayerNormLinear(h, 3 * h, eps=cfg.norm_eps, parallel_mode="column", **common)
         attn_out = te.Linear(h, h, parallel_mode="row", **common)
-        ln_mlp = te.LayerNormMLP(h, ffn, eps=cfg.layernorm_eps, activation="gelu", set_parallel_mode=True,
+        ln_mlp = te.LayerNormMLP(h, ffn, eps=cfg.norm_eps, activation="gelu", set_parallel_mode=True,
                                  output_layer_init_method=_leave, **common)
         # The native names, in the native Block's order (ln1, attn.qkv, attn.proj, ln2, mlp.fc, mlp.proj) and with
         # its tp splits: qkv rows in 3 blocks (stride 3), proj and the MLP's second matrix by input columns.

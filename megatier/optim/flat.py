@@ -31,7 +31,7 @@ class Segment:
     the layout's tp coordinates they place every element in the full tensor
     (:mod:`megatier.optim.canonical`).
     ``source``: the parameter this one is a copy of (the tied head of a later
-    stage, CheckFree+'s replicas; ``megatier.model.params.COPIES``), "" for a
+    stage, CheckFree+'s replicas; ``megatier.model.params.copies_of``), "" for a
     parameter of its own. A copy is trained like its source and counted once.
     """
 

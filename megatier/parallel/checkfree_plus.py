@@ -28,7 +28,7 @@ PIPELINE_ORDERS = ("standard", "checkfree_plus")
 _REPLICA_HOLDERS = {"pos": 1, "final_norm": -2}
 _REPLICA_PARAMS = {"pos": ("pos_replica.weight",), "final_norm": ("final_norm_replica.weight",
                                                                   "final_norm_replica.bias")}
-# Each replica parameter -> the parameter it copies (part of megatier.model.params.COPIES).
+# Each replica parameter -> the parameter it copies (part of megatier.model.params.copies_of).
 REPLICA_SOURCES = {"pos_replica.weight": "pos.weight", "final_norm_replica.weight": "final_norm.weight",
                    "final_norm_replica.bias": "final_norm.bias"}
 

@@ -14,7 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from megatier.parallel.mappings import copy_to_region, gather_from_region, reduce_from_region
+from megatier.parallel.mappings import (
+    copy_to_region,
+    gather_from_region,
+    gather_from_sequence,
+    reduce_from_region,
+    reduce_scatter_to_sequence,
+)
 
 
 def mark_partition(param: nn.Parameter, dim: Optional[int], stride: int = 1) -> nn.Parameter:
@@ -26,13 +32,15 @@ def mark_partition(param: nn.Parameter, dim: Optional[int], stride: int = 1) -> 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A cut by output rows: (out/tp, in) per rank.
 
-    Input (..., in) replicated across tp; output (..., out/tp) unless ``gather_output``.
+    Input (..., in) replicated across tp, or with ``sequence_parallel`` (b, s/tp, in), this rank's tokens (the
+    sequence is gathered first); output (..., out/tp) unless ``gather_output``.
     """
 
     def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, bias: bool = True,
-                 gather_output: bool = False, stride: int = 1):
+                 gather_output: bool = False, stride: int = 1, sequence_parallel: bool = False):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
         tp = dist.get_world_size(group)
         if out_features % (tp * stride) != 0:
             raise ValueError(f"output size {out_features} is not divisible by tp={tp} x stride={stride}")
@@ -45,7 +53,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = mark_partition(nn.Parameter(torch.empty(out_features // tp)), 0, stride) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_region(x, self.group)
+        x = gather_from_sequence(x, self.group) if self.sequence_parallel else copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
         return gather_from_region(y, self.group) if self.gather_output else y
 
@@ -53,21 +61,31 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = x A^T + b with A cut by input columns: (out, in/tp) per rank.
 
-    Input (..., in/tp) already split across tp; output (..., out) all-reduced,
-    then the replicated bias is added once.
+    Input (..., in/tp) already split across tp; output (..., out) all-reduced, or with ``sequence_parallel``
+    reduce-scattered to this rank's tokens (b, s/tp, out); then the replicated bias is added once (with
+    ``sequence_parallel`` to this rank's tokens only: its gradient is then a partial sum, marked
+    ``sequence_parallel`` for the trainer to all-reduce over tp).
     """
 
-    def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, bias: bool = True):
+    def __init__(self, in_features: int, out_features: int, *, group: dist.ProcessGroup, bias: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.group = group
+        self.sequence_parallel = sequence_parallel
         tp = dist.get_world_size(group)
         if in_features % tp != 0:
             raise ValueError(f"input size {in_features} is not divisible by tp={tp}")
         self.weight = mark_partition(nn.Parameter(torch.empty(out_features, in_features // tp)), 1)
         self.bias = mark_partition(nn.Parameter(torch.empty(out_features)), None) if bias else None
+        if self.bias is not None and sequence_parallel:
+            self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_region(F.linear(x, self.weight), self.group)
+        partial = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence(partial, self.group)
+        else:
+            y = reduce_from_region(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
 

@@ -80,14 +80,15 @@ def _run(model: nn.Module, parts: tuple[str, ...], x: Optional[torch.Tensor], to
 
 
 def forward_backward_routes(model: nn.Module, microbatches: Microbatches, routes: list[Route], *,
-                            comm: PipelineComm, hidden_size: int, loss_scale: float) -> torch.Tensor:
+                            comm: PipelineComm, hidden_size: int, loss_scale: float,
+                            seq_shards: int = 1) -> torch.Tensor:
     """Forward then backward every micro-batch along its route (module docstring); returns the summed loss."""
     me, n = comm.stage, len(microbatches)
     total = torch.zeros((), dtype=torch.float32)
     saved: dict[tuple[int, int], tuple[Optional[torch.Tensor], torch.Tensor]] = {}
     posted: list = []  # (works, tensor on the wire): waited at the end of the step
     for i, (tokens, labels) in enumerate(microbatches):
-        shape = (tokens.shape[0], tokens.shape[1], hidden_size)  # (b, s, h)
+        shape = (tokens.shape[0], tokens.shape[1] // seq_shards, hidden_size)  # (b, s, h), or s / tp under SP
         for k, (stage, parts) in enumerate(routes[i]):
             if stage != me:
                 continue

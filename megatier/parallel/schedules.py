@@ -44,8 +44,9 @@ def forward_backward_no_pipeline(model: nn.Module, microbatches: Microbatches, *
     return total
 
 
-def _activation_shape(tokens: torch.Tensor, hidden_size: int) -> tuple[int, int, int]:
-    return (tokens.shape[0], tokens.shape[1], hidden_size)  # (b, s, h)
+def activation_shape(tokens: torch.Tensor, hidden_size: int, seq_shards: int = 1) -> tuple[int, int, int]:
+    """What passes between stages: (b, s, h), or (b, s / tp, h) under sequence parallelism (``seq_shards``)."""
+    return (tokens.shape[0], tokens.shape[1] // seq_shards, hidden_size)
 
 
 def _forward_step(model: nn.Module, comm: PipelineComm, x: Optional[torch.Tensor], tokens: torch.Tensor,
@@ -76,10 +77,11 @@ def _backward_step(comm: PipelineComm, x: torch.Tensor, y: torch.Tensor, grad_y:
 
 
 def forward_backward_1f1b(model: nn.Module, microbatches: Microbatches, *, comm: PipelineComm, hidden_size: int,
+                          seq_shards: int = 1,
                           loss_scale: float) -> torch.Tensor:
     """pp > 1: one-forward-one-backward over the micro-batches (see the module docstring)."""
     n = len(microbatches)
-    shapes = [_activation_shape(tokens, hidden_size) for tokens, _ in microbatches]
+    shapes = [activation_shape(tokens, hidden_size, seq_shards) for tokens, _ in microbatches]
     warmup = min(comm.num_stages - comm.stage - 1, n)
     total = torch.zeros((), dtype=torch.float32)
     # Micro-batches forwarded but not yet backpropagated, oldest first: (input, output).
@@ -113,12 +115,12 @@ def forward_backward_1f1b(model: nn.Module, microbatches: Microbatches, *, comm:
 
 @torch.no_grad()
 def forward_pipeline(model: nn.Module, microbatches: Microbatches, *, comm: PipelineComm,
-                     hidden_size: int) -> torch.Tensor:
+                     hidden_size: int, seq_shards: int = 1) -> torch.Tensor:
     """pp > 1, evaluation: every micro-batch flows forward through the stages; no backward."""
     n = len(microbatches)
     total = torch.zeros((), dtype=torch.float32)
     for tokens, labels in microbatches:
-        x = comm.recv_forward(_activation_shape(tokens, hidden_size))
+        x = comm.recv_forward(activation_shape(tokens, hidden_size, seq_shards))
         _, y = _forward_step(model, comm, x, tokens, labels, n)
         if comm.is_last:
             total += y.float().cpu()

@@ -22,7 +22,7 @@ from typing import Optional
 from megatier.checkpoint.commit.lease import LeaseHeld
 from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
 from megatier.config import ConfigError
-from megatier.interop.gpt2_config import GPT2FormatError
+from megatier.interop.hf_files import HFFormatError
 
 EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
@@ -41,7 +41,7 @@ def refusal(error: BaseException) -> Optional[tuple[int, str]]:
     """(exit status, the line to print) when ``error`` is a refusal, else None (a failure: let it raise)."""
     if isinstance(error, ConfigError):
         return EXIT_CONFIG, f"config error: {error}"
-    if isinstance(error, GPT2FormatError):
+    if isinstance(error, HFFormatError):
         return EXIT_CONFIG, f"config error: model.init_from: {error}"
     if isinstance(error, (ConfigRefusal, LeaseHeld)):
         return EXIT_CONFIG, str(error)

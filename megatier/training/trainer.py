@@ -34,7 +34,7 @@ from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
 from megatier.faults import CrashPoint, FaultInjector
-from megatier.interop.gpt2 import load_gpt2
+from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
 from megatier.model.params import stage_spec
 from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
@@ -139,13 +139,16 @@ class Trainer:
         # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
         self.dropout_generator = gen = torch.Generator(device=self.device)
         model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen,
-                         fp8=self.cfg.train.precision == "fp8")
+                         fp8=self.cfg.train.precision == "fp8", sequence_parallel=self.cfg.parallel.sequence_parallel)
+        self.sequence_parallel_params = [n for n, p in model.named_parameters()
+                                         if getattr(p, "sequence_parallel", False)]
         init_weights(model, self.cfg.train.seed)
         if m.init_from is not None:  # fine-tuning: before flattening, so the fp32 master comes from it
-            load_full_state(model, load_gpt2(m.init_from, m, vocab))
+            load_full_state(model, load_hf(m.init_from, m, vocab))
             if ps.rank == 0:
-                log.info("model.init_from: initialised the %s model from the Hugging Face GPT-2 at %s "
-                         "(a restored checkpoint replaces it)", m.name, m.init_from)
+                log.info("model.init_from: initialised the %s model from the Hugging Face %s at %s "
+                         "(a restored checkpoint replaces it)", m.name, "GPT-2" if m.arch == "gpt2" else "Llama",
+                         m.init_from)
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
         self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank)
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
@@ -201,13 +204,15 @@ class Trainer:
         if self.comm is None:
             return forward_backward_no_pipeline(self.model, mbs, loss_scale=loss_scale, forward_only=forward_only)
         hidden = self.cfg.model.hidden_size
+        shards = self.ps.tp if self.model.sequence_parallel else 1  # activations cut by tokens between stages
         if forward_only:
-            return forward_pipeline(self.model, mbs, comm=self.comm, hidden_size=hidden)
+            return forward_pipeline(self.model, mbs, comm=self.comm, hidden_size=hidden, seq_shards=shards)
         if self.cfg.model.pipeline_order == "checkfree_plus":
             routes = checkfree_plus_routes(self.ps.pp, len(mbs))
             return forward_backward_routes(self.model, mbs, routes, comm=self.comm, hidden_size=hidden,
-                                           loss_scale=loss_scale)
-        return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale)
+                                           loss_scale=loss_scale, seq_shards=shards)
+        return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale,
+                                     seq_shards=shards)
 
     def _global_loss(self, local: torch.Tensor) -> tuple[float, bool]:
         """Mean loss over the global batch, known on every rank (computed on the last stage), and whether any
@@ -222,7 +227,10 @@ class Trainer:
 
     def _sync_copies(self) -> None:
         """Give each copy its source's gradient: the tied embedding's two copies are summed; CheckFree+'s replicas
-        receive theirs (megatier.parallel.checkfree_plus)."""
+        receive theirs (megatier.parallel.checkfree_plus). Under sequence parallelism the parameters applied to
+        token slices (the norms, GPT-2's row-parallel biases) hold partial gradients: summed over tp."""
+        if self.sequence_parallel_params:
+            self.grads.all_reduce_segments(self.sequence_parallel_params, self.ps.tp_group)
         if self.ps.embedding_group is not None:
             shared = self.model.shared_embedding_params()
             names = [n for n, p in self.model.named_parameters() if any(p is q for q in shared)]

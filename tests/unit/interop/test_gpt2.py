@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from megatier.config import ModelConfig
 from megatier.data.tokenizer import train_bpe
 from megatier.interop.gpt2 import export_gpt2, load_gpt2
-from megatier.interop.gpt2_config import GPT2FormatError
+from megatier.interop.hf_files import HFFormatError
 from megatier.model.gpt import GPTStage, load_full_state
 from megatier.model.params import StageSpec, canonical_shapes
 from tests.hf_gpt2 import save_random_gpt2
@@ -89,7 +89,7 @@ def test_export_writes_the_bpe_tokenizer(tmp_path):
 
 
 def _one_line_error(call, match: str) -> str:
-    with pytest.raises(GPT2FormatError, match=match) as err:
+    with pytest.raises(HFFormatError, match=match) as err:
         call()
     assert "\n" not in str(err.value)
     return str(err.value)

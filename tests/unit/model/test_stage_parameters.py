@@ -11,6 +11,8 @@ from megatier.model.params import StageSpec, stage_parameters
 from megatier.optim.flat import FlatLayout
 
 CFG = ModelConfig(num_layers=3, hidden_size=32, num_heads=4, max_position_embeddings=16, ffn_hidden_size=48)
+LLAMA = ModelConfig(arch="llama", num_layers=3, hidden_size=32, num_heads=8, num_query_groups=4,
+                    max_position_embeddings=16, ffn_hidden_size=48)
 VOCAB = 257
 STAGES = {"whole": (range(3), True, True), "first": (range(2), True, False), "middle": (range(1, 2), False, False),
           "last": (range(2, 3), False, True),
@@ -19,7 +21,7 @@ STAGES = {"whole": (range(3), True, True), "first": (range(2), True, False), "mi
           "middle+final_norm": (range(1, 2), False, False, 0, 1, ("final_norm",))}
 
 
-def _built(spec: StageSpec) -> list[tuple]:
+def _built(spec: StageSpec, cfg: ModelConfig = CFG) -> list[tuple]:
     """(name, shape, tp_dim, stride, full_shape, copy_of) of a real GPTStage on tp ranks (the fake backend: no
     traffic)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -27,7 +29,7 @@ def _built(spec: StageSpec) -> list[tuple]:
     dist.init_process_group("fake", store=FakeStore(), rank=spec.tp_rank, world_size=spec.tp)
     try:
         with torch.device("meta"):
-            model = GPTStage(CFG, VOCAB, spec, tp_group=dist.group.WORLD, dropout_generator=torch.Generator())
+            model = GPTStage(cfg, VOCAB, spec, tp_group=dist.group.WORLD, dropout_generator=torch.Generator())
         return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of)
                 for n, p in model.named_parameters()], model
     finally:
@@ -41,6 +43,18 @@ def test_stage_parameters_are_the_built_stages(stage, tp, tp_rank):
     spec = StageSpec(layers, first, last, tp_rank=tp_rank, tp=tp, replicas=rest[2] if rest else ())
     built, model = _built(spec)
     assert [tuple(p) for p in stage_parameters(CFG, VOCAB, spec)] == built
+
+
+@pytest.mark.parametrize("tp,tp_rank", [(1, 0), (2, 1), (4, 3)])
+@pytest.mark.parametrize("stage", ["whole", "first", "middle", "last"])
+def test_llama_stage_parameters_are_the_built_stages(stage, tp, tp_rank):
+    layers, first, last = STAGES[stage]
+    spec = StageSpec(layers, first, last, tp_rank=tp_rank, tp=tp)
+    built, _ = _built(spec, LLAMA)
+    assert [tuple(p) for p in stage_parameters(LLAMA, VOCAB, spec)] == built
+    names = [b[0] for b in built]
+    assert ("head_weight" in names) == last and "pos.weight" not in names  # untied head, rotary positions
+    assert all(b[5] == "" for b in built)  # no copies: the head is a parameter of its own
 
 
 def test_the_flat_layout_of_described_parameters_is_the_modules():

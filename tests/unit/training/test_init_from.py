@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatier.config import ConfigError
-from megatier.interop.gpt2_config import GPT2FormatError
+from megatier.interop.hf_files import HFFormatError
 from megatier.training.trainer import Trainer
 from tests.hf_gpt2 import expected_state, hf_loss, save_random_gpt2
 
@@ -52,5 +52,5 @@ def test_init_from_another_shape_is_refused(tiny_config, tmp_path):
     cfg = tiny_config(f"model.init_from={tmp_path / 'hf'}")
     save_random_gpt2(str(tmp_path / "hf"), cfg.model, 300)
     fix = r"vocab_size=300 but the model has model.vocab_size=257; set model.vocab_size=300"
-    with pytest.raises(GPT2FormatError, match=fix):  # megatier-train: "config error: model.init_from: ...", exit 2
+    with pytest.raises(HFFormatError, match=fix):  # megatier-train: "config error: model.init_from: ...", exit 2
         Trainer(cfg)
