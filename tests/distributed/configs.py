@@ -50,14 +50,15 @@ def _checkpoint(tmp: str, job: str, fields: Optional[dict]) -> CheckpointConfig:
     return CheckpointConfig(**c)
 
 
-def tiny_job(tmp: str, job: str, prefix: str, *, iters: int, tp: int = 1, pp: int = 1, run: str = "run",
+def tiny_job(tmp: str, job: str, prefix: str, *, iters: int, tp: int = 1, pp: int = 1, sequence_parallel: bool = False,
+             run: str = "run",
              seq_len: int = 32, model: Union[ModelConfig, dict, None] = None, optim: Optional[dict] = None,
              train: Optional[dict] = None, checkpoint: Optional[dict] = None) -> Config:
     """The job's Config (see the module docstring); its run directory is ``<tmp>/<run>``."""
     model_cfg = model if isinstance(model, ModelConfig) else ModelConfig(**{**MODEL, **(model or {})})
     return Config(
         model=model_cfg,
-        parallel=ParallelConfig(tp=tp, pp=pp, timeout_s=60.0),
+        parallel=ParallelConfig(tp=tp, pp=pp, sequence_parallel=sequence_parallel, timeout_s=60.0),
         optim=OptimConfig(**{**OPTIM, **(optim or {})}),
         data=DataConfig(prefix=prefix, seq_len=seq_len),
         train=TrainConfig(**{**TRAIN, "iters": iters, **(train or {})}),
