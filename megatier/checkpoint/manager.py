@@ -47,7 +47,7 @@ from torch import nn
 from megatier import ops
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
-from megatier.checkpoint.format.units import STEP, PayloadId
+from megatier.checkpoint.format.units import DIFF, STEP, PayloadId
 from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.base_capture import BaseCapturer
@@ -322,8 +322,14 @@ class CheckpointManager:
 
     def _hand_over(self, units: list[Union[PayloadId, EncodedPayload]]) -> None:
         """Put the units finished at the previous step into the lockstep tiers (waits for the save thread to
-        finish encoding any that it still has)."""
+        finish encoding any that it still has). Without a lockstep tier, wait for the save thread to have stored
+        the batch the previous step closed: that step's record is in no step unit, so until its batch is on
+        Tier-1 a crash would lose it and every step after it (the bound of one step lost must not depend on a
+        helper thread keeping up with a loaded machine; the wait is part of ckpt_stall_ms)."""
         if not self._lockstep:
+            for unit in units:
+                if isinstance(unit, PayloadId) and unit.kind == DIFF:
+                    self.worker.wait_stored(unit, self.ctx.timeout_s)
             return
         for unit in units:
             payload = unit if isinstance(unit, EncodedPayload) else self.worker.take(unit, self.ctx.timeout_s)

@@ -41,7 +41,7 @@ from megatier.checkpoint.format.payload import (
     draft_base,
     draft_diff_batch,
 )
-from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, PayloadId
 from megatier.checkpoint.save.capture import Reconcile
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import Tier
@@ -83,6 +83,7 @@ class SaveWorker:
         self.diff_bytes = 0  # compressed record bytes produced so far
         self.base_bytes = 0  # base payload bytes produced so far
         self.base_seconds: list[float] = []  # this thread's time to encode and store each base (base_interval=auto)
+        self._diffs_through = -1  # the last step of the newest diff batch stored (in order, so all before it too)
         self._thread = None if inline else helper_thread(self._run, f"megatier-save-rank{layout.rank}")
         if self._thread is not None:
             self._thread.start()
@@ -123,6 +124,14 @@ class SaveWorker:
                                    f"save thread is stuck (CPU starved or a tier write hangs)")
             self._raise_if_failed()
             return self._ready.pop(pid)
+
+    def wait_stored(self, pid: PayloadId, timeout: float) -> None:
+        """Wait until the diff batch ``pid`` (and so every unit submitted before it) is stored in the tiers."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._diffs_through >= pid.last or self._error is not None, timeout):
+                raise TimeoutError(f"rank {self.layout.rank}: {pid} was not stored within {timeout:.0f} s; the save "
+                                   f"thread is stuck (CPU starved or a tier write hangs)")
+            self._raise_if_failed()
 
     @property
     def pending_bytes(self) -> int:
@@ -198,6 +207,8 @@ class SaveWorker:
             self._queued_bytes -= nbytes
             if payload is not None and self.keep_for_loop:
                 self._ready[payload.stamp.pid] = payload
+            if payload is not None and payload.stamp.pid.kind == DIFF:
+                self._diffs_through = max(self._diffs_through, payload.stamp.pid.last)
             self._cv.notify_all()
         return True
 

@@ -27,6 +27,8 @@ JOB = "drill"
 DRILL = ["model=tiny", "parallel.tp=2", "train.iters=30", "checkpoint.base_interval=20",
          "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "data.seq_len=64",
          "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.timeout_s=30"]
+# The same job as a Llama-family model (grouped-query attention: tp=2 divides its 2 key/value heads).
+LLAMA_DRILL = ["model=llama_tiny" if o == "model=tiny" else o for o in DRILL]
 # 2 nodes x 1 process for the crash points: every point is reached within 30 steps with bases every 10.
 POINTS = ["model=tiny", "train.iters=30", "checkpoint=tiered", "checkpoint.base_interval=10",
           "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "logging.progress=false",
@@ -107,6 +109,14 @@ def drill_reference(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory) -> str:
+    work = tmp_path_factory.mktemp("llama_ref")
+    status, _ = run_job(work, [*LLAMA_DRILL, "checkpoint.enabled=false"], nodes=2, procs=2)
+    assert status == 0
+    return summary(work)["state_digest"]
+
+
+@pytest.fixture(scope="module")
 def points_reference(tmp_path_factory) -> str:
     work = tmp_path_factory.mktemp("points_ref")
     status, _ = run_job(work, [*POINTS, "checkpoint.enabled=false"], nodes=2, procs=1)
@@ -117,10 +127,11 @@ def points_reference(tmp_path_factory) -> str:
 # ---- the three classes, lossless, bit-identical ------------------------------------------------------
 
 @pytest.mark.timeout(300)
-def test_stage_failure_is_rebuilt_by_checkfree(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "llama_tiny"])
+def test_stage_failure_is_rebuilt_by_checkfree(tmp_path, model):
     """Stage 2 of 4 dies at step 12 and loses every copy (Tier-1, its replicas, its Tier-3 objects); the relaunch
     rebuilds it from stages 1 and 3 with CheckFree, loses no step, and says the result is not exact."""
-    overrides = ["model=tiny", "model.num_layers=4", "parallel.pp=4", "train.iters=16",
+    overrides = [f"model={model}", "model.num_layers=4", "parallel.pp=4", "train.iters=16",
                  "checkpoint.base_interval=10", "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled",
                  "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=1", "parallel.timeout_s=30"]
     report = drill(tmp_path, "--fail", "stage", "--stage", "2", "--at-step", "12", overrides=overrides)
@@ -168,6 +179,20 @@ def test_node_failure_serves_the_lost_node_from_tier2(tmp_path, drill_reference)
     # Step 19's record never reached the ring peer: at least that step is computed again, and counted lost.
     assert rec["steps_lost_drill"] >= 1
     assert_goodput_adds_up(report)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fail", ["software", "node"])
+def test_llama_recovers_bit_identical(tmp_path, llama_reference, fail):
+    """model.arch=llama at tp=2 x dp=2: a software and a node failure recover from the tiers their class requires
+    and end bit-identical to the fault-free run."""
+    report = drill(tmp_path, "--fail", fail, "--at-step", "19", overrides=LLAMA_DRILL)
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["failure_class"] == fail and rec["bytes_tier3"] == 0
+    lost = {r for r, node in enumerate(rec["rank_nodes"]) if node == "node1"}
+    assert rec["rank_tiers"] == [["tier2"] if r in lost and fail == "node" else ["tier1"] for r in range(4)]
+    assert report["final_digest"] == llama_reference
 
 
 @pytest.mark.timeout(600)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import glob
 import os
+import time
 
 import pytest
 import torch
@@ -124,3 +125,35 @@ def test_a_torn_step_record_is_ignored_and_reported(tmp_path):
     assert start == 13 and _same(opt, snaps[13])  # step 14 is not replayed
     assert any("step v14 of rank 0 is incomplete" in note for note in record["fallbacks"]), record["fallbacks"]
     assert not glob.glob(f"{tmp_path}/{JOB}/{NODE0}/own/rank00000/step/v00000014.*")  # swept at cleanup
+
+
+class _SlowBatches(MemoryTier):
+    """Tier-1 whose diff batches take ``delay_s`` to store (a save thread starved on a loaded machine)."""
+
+    def __init__(self, delay_s: float):
+        super().__init__(TIER1, takes_steps=True)
+        self.delay_s = delay_s
+
+    def put(self, payload) -> None:
+        if payload.stamp.pid.kind == "diff":
+            time.sleep(self.delay_s)
+        super().put(payload)
+
+
+def test_without_a_ring_peer_the_loop_waits_for_the_batch_its_previous_step_closed():
+    """No lockstep tier hands the closed batch on, so the step after a batch end waits (in ckpt_stall_ms) for
+    the save thread to store it: a crash then still loses at most the step in flight, however slow the thread."""
+    tier1 = _SlowBatches(delay_s=0.5)
+    opt, shard = tiny_shard()
+    manager = CheckpointManager(context([tier1, MemoryTier(TIER3, scope=JOB_SCOPE)], base_interval=INTERVAL,
+                                        batch=BATCH), shard)  # a real save thread
+    manager.restore()
+    snaps = {0: snapshot(opt)}
+    for s in range(1, 7):
+        step(opt, s)
+        snaps[s] = snapshot(opt)
+        metrics = manager.after_step(s)
+    assert (0, D(1, 5)) in tier1.units and metrics["ckpt_handover_ms"] >= 100  # step 6 waited for batch 1-5
+    start, _, restored = _restore([tier1])  # the crash right after step 6: its step unit is there too
+    assert start == 6 and _same(restored, snaps[6])
+    manager.close()

@@ -33,12 +33,14 @@ pytestmark = pytest.mark.timeout(240)
 JOB, E, MORE = "reshardjob", 8, 5
 
 
-def _config(tmp: str, run: str, degrees: tuple[int, int, int], iters: int, checkpoint: bool = True) -> Config:
+def _config(tmp: str, run: str, degrees: tuple[int, int, int], iters: int, checkpoint: bool = True,
+            arch: str = "gpt2") -> Config:
     """A tiny GPT of 3 layers (pp=2 splits it 2 + 1) on the byte corpus; the vocabulary is padded to 384 rows at
     tp=1 and 512 at tp=2, so resharding between them drops and adds padding."""
     tp, pp, _ = degrees
     # No final base: the restore replays the diffs after base 6 into the other layout.
-    return tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, tp=tp, pp=pp, run=run,
+    model = {"arch": "llama", "num_query_groups": 2} if arch == "llama" else None
+    return tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, tp=tp, pp=pp, run=run, model=model,
                     checkpoint={"final_base": False} if checkpoint else None)
 
 def _as_node(rank: int, per_node: int) -> None:
@@ -52,9 +54,9 @@ def _losses(run_dir: str) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r and r.get("step", 0) > E and r.get("event") is None]
 
 
-def _old_run(rank: int, tmp: str, degrees, per_node: int) -> dict:
+def _old_run(rank: int, tmp: str, degrees, per_node: int, arch: str = "gpt2") -> dict:
     _as_node(rank, per_node)
-    trainer = Trainer(_config(tmp, "old", degrees, E))
+    trainer = Trainer(_config(tmp, "old", degrees, E, arch=arch))
     trainer.train()
     o, ps = trainer.optimizer, trainer.ps
     shard = ShardState(ps.tp_rank, ps.tp, o.shard_segments, {k: v.clone() for k, v in o.state_tensors().items()})
@@ -62,9 +64,9 @@ def _old_run(rank: int, tmp: str, degrees, per_node: int) -> dict:
     return {"digest": summary["canonical_digest"], "shard": shard, "adam_steps": o.adam_steps}
 
 
-def _resumed_run(rank: int, tmp: str, degrees, per_node: int) -> dict:
+def _resumed_run(rank: int, tmp: str, degrees, per_node: int, arch: str = "gpt2") -> dict:
     _as_node(rank, per_node)
-    trainer = Trainer(_config(tmp, "new", degrees, E + MORE))
+    trainer = Trainer(_config(tmp, "new", degrees, E + MORE, arch=arch))
     trainer.restore()
     out = {"step": trainer.step, "digest": trainer.canonical_digest()}
     trainer.train()
@@ -128,3 +130,15 @@ def test_resharded_restore_resumes_the_old_layouts_state(case, corpus_prefix, tm
     losses, want = after[0]["losses"], ref[0]["losses"]
     assert len(losses) == MORE and len(want) == MORE
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=0.0)
+
+
+def test_a_llama_job_reshards_tp2_dp2_to_tp1_dp2_with_the_same_canonical_digest(corpus_prefix, tmp_path):
+    """model.arch=llama: the stacked k/v and gate/up weights and the untied head reshard like any parameter."""
+    (tmp_path / "corpus.txt").write_text(corpus_prefix)
+    tmp = str(tmp_path)
+    before = run_world(_old_run, 4, tmp_path, tmp, (2, 1, 2), 2, "llama", timeout_s=120)
+    after = run_world(_resumed_run, 2, tmp_path, tmp, (1, 1, 2), 1, "llama", timeout_s=120)
+    assert len({r["digest"] for r in before}) == 1
+    for res in after:
+        assert res["step"] == E and res["digest"] == before[0]["digest"]
+    assert after[0]["record"]["resharded"] == "(2,1,2) -> (1,1,2)"

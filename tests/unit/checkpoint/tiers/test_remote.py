@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatier.checkpoint.commit.coordinator import reclaim_remote
+from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
 from megatier.checkpoint.commit.reader import RemoteReader
 from megatier.checkpoint.commit.records import QUARANTINE, SUPERSEDED, list_units, set_aside
 from megatier.checkpoint.format.payload import BaseState, DiffStep, encode_base, encode_diff_batch
@@ -15,6 +16,7 @@ from megatier.checkpoint.offline.listing import inspect_quarantine
 from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.remote import RemoteTier, list_committed
 from megatier.parallel.layout import Layout
+from tests.checkpoint_fakes import Outage
 
 pytestmark = pytest.mark.timeout(60)
 B10 = PayloadId.base(10)
@@ -93,3 +95,29 @@ def test_set_aside_units_are_reclaimed_once_the_watermark_passes_them(tmp_path):
     reclaim_remote(store, 20, keep_bases=2)
     left = {k.split("/")[2] for k in store.list(SUPERSEDED)}
     assert left == {"v00000031-00000035"}, left  # 11-15 is behind the watermark, 31-35 is not
+
+
+def test_an_offline_start_stops_when_another_live_run_holds_the_lease_once_tier3_answers(tmp_path):
+    """A launch that started without Tier-3 writes nothing there until it holds the job's lease; when Tier-3
+    answers and another live run holds the lease, the launch stops (at its next watermark sync) instead."""
+    inner = DirectoryStore(str(tmp_path / "t3"), fsync=False)
+    other = OwnerLease(inner, "other", lease_s=2.0)
+    other.acquire()  # a live writer of the job, renewing its lease
+    store = Outage(inner)
+    store.down = True
+    tier = RemoteTier(store, job_id="job1", rank=0, world_size=1, incarnation="mine", keep_bases=2,
+                      lease=OwnerLease(store, "mine", 2.0), offline="unreachable at start-up", reconnect_s=0.05)
+    assert tier.list().traces and not tier.holds_job()  # not consulted, and not empty: a restore never starts fresh
+    tier.put(_base(10))
+    tier.start()
+    store.down = False
+    deadline = time.monotonic() + 20
+    while tier.lease.lost is None:
+        assert time.monotonic() < deadline, "the lease conflict was not found"
+        time.sleep(0.05)
+    with pytest.raises(LeaseHeld, match="in use by a live run"):
+        tier.point()
+    assert not list_units(inner)  # the queued base never went out
+    tier.drain(1, 1.0)
+    tier.close(1.0)
+    other.release()
