@@ -236,3 +236,21 @@ def test_a_run_on_the_default_corpus_exports_its_tokenizer_without_data_prefix(t
     checksum = IndexedDataset(prefix).checksum
     assert convert.data_tokenizer(None, {"data.checksum": json.dumps(checksum)})["type"] == "byte"
     assert convert.data_tokenizer(None, {"data.checksum": json.dumps("0" * 16)}) is None  # not in the cache
+
+
+def test_a_llama_job_exports_a_llama_directory_transformers_loads(tiny_config, tmp_path, capsys):
+    from megatier.training.trainer import Trainer
+
+    transformers = pytest.importorskip("transformers")
+    cfg = tiny_config("model=llama_tiny", "checkpoint=tiered", "checkpoint.tiers=[local]", "train.iters=6",
+                      f"checkpoint.local.root={tmp_path}/shm", "checkpoint.job_id=llamajob")
+    trainer = Trainer(cfg)
+    trainer.train()
+    summary = trainer.close()
+    capsys.readouterr()
+    assert convert.main(["export", "--job-id", "llamajob", "--local-root", f"{tmp_path}/shm", "--tier", "tier1",
+                         str(tmp_path / "hf")]) == 0
+    out = capsys.readouterr().out
+    assert f"canonical_digest: {summary['canonical_digest']}" in out  # the final base: the trained state itself
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.num_key_value_heads == 2 and not model.config.tie_word_embeddings
