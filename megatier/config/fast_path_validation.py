@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from megatier import fastpaths
-from megatier.config.schema import Config
+from megatier.config.schema import Config, ffn_size
 from megatier.config.schema import require as _require
 
 IMPLS = ("native", "te")
@@ -29,12 +29,17 @@ def _require_cuda(key: str, device: str) -> None:
 def _fp8_shapes(cfg: Config, tp: int) -> Optional[str]:
     """The first GEMM dimension Transformer Engine's fp8 GEMMs cannot take (leading dims % 8, last dim % 16)."""
     m, h = cfg.model, cfg.model.hidden_size
-    ffn = m.ffn_hidden_size or 4 * h
+    ffn = ffn_size(m)
+    if m.arch == "llama":  # q and k-then-v rows in one GEMM
+        qkv = (m.num_heads + 2 * (m.num_query_groups or m.num_heads)) * (h // m.num_heads)
+        qkv_what = "(model.num_heads + 2 x model.num_query_groups) x head size / parallel.tp"
+    else:
+        qkv, qkv_what = 3 * h, "3 x model.hidden_size / parallel.tp"
     tokens = cfg.train.micro_batch_size * cfg.data.seq_len
     if tokens % 8:
         return (f"train.micro_batch_size x data.seq_len = {tokens} tokens per micro-batch is not a multiple of 8; "
                 f"choose sizes whose product is")
-    for what, size in (("model.hidden_size", h), ("3 x model.hidden_size / parallel.tp", 3 * h // tp),
+    for what, size in (("model.hidden_size", h), (qkv_what, qkv // tp),
                        ("model.hidden_size / parallel.tp", h // tp), ("the FFN size / parallel.tp", ffn // tp)):
         if size % 16:
             return f"{what} = {size} is not a multiple of 16; choose model sizes (or parallel.tp) that make it one"

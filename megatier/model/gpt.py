@@ -119,10 +119,11 @@ def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDr
            sequence_parallel: bool) -> nn.Module:
     """A transformer block of ``model.arch`` and ``model.impl``: native, or on Transformer Engine's layers with
     the same parameter names (``te_layers.TEBlock``)."""
+    if cfg.impl == "te":
+        te_block = te_layers.TELlamaBlock if cfg.arch == "llama" else te_layers.TEBlock
+        return te_block(cfg, group, hidden_dropout)
     if cfg.arch == "llama":
         return LlamaBlock(cfg, group, hidden_dropout, sequence_parallel)
-    if cfg.impl == "te":
-        return te_layers.TEBlock(cfg, group, hidden_dropout)
     return Block(cfg, group, hidden_dropout, sequence_parallel)
 
 

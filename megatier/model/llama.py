@@ -67,16 +67,44 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + _rotate_half(x) * sin
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool = False):
-        super().__init__()
-        tp = dist.get_world_size(group)
+class GroupedAttention:
+    """The attention of a rank's heads between the projections, shared by the native and the Transformer Engine
+    block: (b, s, nh/tp * hd) queries and (b, s, 2 g/tp * hd) keys-then-values in, (b, s, nh/tp * hd) out, with
+    rotary positions on q and k, each key/value head serving nh/g query heads, causal ``scaled_dot_product_attention``
+    (``recompute`` the core in the backward: ``model.recompute=selective``)."""
+
+    def __init__(self, cfg: ModelConfig, tp: int):
         groups = cfg.num_query_groups or cfg.num_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.local_heads, self.local_groups = cfg.num_heads // tp, groups // tp
         self.dropout = cfg.attention_dropout
         self.selective = cfg.recompute == "selective"
-        h, hd = cfg.hidden_size, self.head_dim
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -> torch.Tensor:
+        repeat = self.local_heads // self.local_groups  # each key/value head serves this many query heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 training: bool) -> torch.Tensor:
+        b, s, _ = q.shape
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
+        k, v = kv.view(b, s, 2, self.local_groups, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)  # (b, g/tp, s, hd)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        dropout = self.dropout if training else 0.0
+        if self.selective and training:
+            out = recomputed(self._core, q, k, v, dropout)
+        else:
+            out = self._core(q, k, v, dropout)
+        return out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool = False):
+        super().__init__()
+        groups = cfg.num_query_groups or cfg.num_heads
+        self.heads = GroupedAttention(cfg, dist.get_world_size(group))
+        h, hd = cfg.hidden_size, self.heads.head_dim
         self.q = ColumnParallelLinear(h, cfg.num_heads * hd, group=group, bias=False,
                                       sequence_parallel=sequence_parallel)
         self.kv = ColumnParallelLinear(h, 2 * groups * hd, group=group, bias=False, stride=2,
@@ -84,21 +112,10 @@ class LlamaAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_heads * hd, h, group=group, bias=False,
                                       sequence_parallel=sequence_parallel)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        repeat = self.local_heads // self.local_groups  # each key/value head serves this many query heads
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = self.q(x)  # (b, s, nh/tp * hd): the whole sequence, gathered first under sequence parallelism
-        b, s, _ = q.shape
-        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)  # (b, nh/tp, s, hd)
-        kv = self.kv(x).view(b, s, 2, self.local_groups, self.head_dim)
-        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (b, g/tp, s, hd)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = recomputed(self._core, q, k, v) if self.selective and self.training else self._core(q, k, v)
-        return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+        # q and kv of the whole sequence (gathered first under sequence parallelism)
+        out = self.heads(self.q(x), self.kv(x), cos, sin, self.training)
+        return self.proj(out)
 
 
 class SwiGLU(nn.Module):

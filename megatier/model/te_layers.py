@@ -1,4 +1,5 @@
-"""GPT-2 blocks on Transformer Engine's layers (``model.impl=te``), and its fp8 autocast (``train.precision=fp8``).
+"""GPT-2 and Llama blocks on Transformer Engine's layers (``model.impl=te``), and its fp8 autocast
+(``train.precision=fp8``).
 
 A :class:`TEBlock` computes the function of the native ``gpt.Block`` (pre-LayerNorm, causal attention through
 ``scaled_dot_product_attention``, tanh GELU MLP, the same tensor-parallel split) with three TE layers::
@@ -6,6 +7,18 @@ A :class:`TEBlock` computes the function of the native ``gpt.Block`` (pre-LayerN
     ln_qkv    te.LayerNormLinear(h, 3h)   column parallel: ln1 fused into the q/k/v projection
     attn_out  te.Linear(h, h)             row parallel: output all-reduced over tp, then the bias added once
     ln_mlp    te.LayerNormMLP(h, ffn)     ln2, fc (column), GELU (TE's "gelu" is the tanh approximation), proj (row)
+
+A :class:`TELlamaBlock` computes the native ``llama.LlamaBlock`` with the same three layers, configured for it::
+
+    ln_qkv    te.LayerNormLinear(h, (nh + 2 g) hd, normalization="RMSNorm", parameters_split={"q", "kv"})
+    attn_out  te.Linear(nh hd, h)           row parallel
+    ln_mlp    te.LayerNormMLP(h, ffn, normalization="RMSNorm", activation="swiglu")
+
+no biases; rotary positions and grouped-query attention between ``ln_qkv`` and ``attn_out`` are the native
+block's own code (``llama.GroupedAttention``). ``parameters_split`` (sizes of the whole layer, which TE divides by
+tp) makes TE hold this rank's q rows and its k-then-v rows as two Parameters, the native ``attn.q`` and
+``attn.kv``; TE's swiglu applies SiLU to the first half of fc1's output per rank, which is the native
+``mlp.gate_up``'s gate half (its rows split over tp with stride 2).
 
 Parameter names. Checkpoints, the flat buffer's segment table, initialisation and the canonical state all go by
 the native names (``layers.7.ln1.weight``, ``layers.7.attn.qkv.weight``, ...), which TE's layers do not have
@@ -37,6 +50,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatier.config import ModelConfig
+from megatier.config.schema import ffn_size
+from megatier.model.llama import GroupedAttention
 from megatier.parallel.layers import mark_partition
 
 
@@ -111,6 +126,43 @@ class TEBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.hidden_dropout(self.attn_out(self._attention(self.ln_qkv(x))))
+        return x + self.hidden_dropout(self.ln_mlp(x))
+
+
+class TELlamaBlock(nn.Module):
+    """The native ``LlamaBlock`` on TE layers: x + drop(attn(rms1(x))), then x + drop(swiglu(rms2(x)))."""
+
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: nn.Module):
+        super().__init__()
+        te = _te()
+        tp = dist.get_world_size(group)
+        self.heads = GroupedAttention(cfg, tp)
+        h, hd, groups = cfg.hidden_size, self.heads.head_dim, cfg.num_query_groups or cfg.num_heads
+        q_size, kv_size = cfg.num_heads * hd, 2 * groups * hd
+        common = dict(tp_group=group, tp_size=tp, bias=False, params_dtype=torch.float32, device="cpu",
+                      init_method=_leave)
+        ln_qkv = te.LayerNormLinear(h, q_size + kv_size, eps=cfg.norm_eps, normalization="RMSNorm",
+                                    parallel_mode="column", parameters_split={"q": q_size, "kv": kv_size}, **common)
+        attn_out = te.Linear(q_size, h, parallel_mode="row", **common)
+        ln_mlp = te.LayerNormMLP(h, ffn_size(cfg), eps=cfg.norm_eps, normalization="RMSNorm", activation="swiglu",
+                                 set_parallel_mode=True, output_layer_init_method=_leave, **common)
+        # The native LlamaBlock's names, order and tp splits (kv and gate_up rows in two blocks: stride 2).
+        self.ln1 = _holder(ln_qkv, weight=("layer_norm_weight", None, 1))
+        self.attn = nn.Module()
+        self.attn.q = _holder(ln_qkv, weight=("q_weight", 0, 1))
+        self.attn.kv = _holder(ln_qkv, weight=("kv_weight", 0, 2))
+        self.attn.proj = _holder(attn_out, weight=("weight", 1, 1))
+        self.ln2 = _holder(ln_mlp, weight=("layer_norm_weight", None, 1))
+        self.mlp = nn.Module()
+        self.mlp.gate_up = _holder(ln_mlp, weight=("fc1_weight", 0, 2))
+        self.mlp.proj = _holder(ln_mlp, weight=("fc2_weight", 1, 1))
+        self.ln_qkv, self.attn_out, self.ln_mlp = ln_qkv, attn_out, ln_mlp
+        self.split = (q_size // tp, kv_size // tp)
+        self.hidden_dropout = hidden_dropout
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, kv = self.ln_qkv(x).split(self.split, dim=-1)
+        x = x + self.hidden_dropout(self.attn_out(self.heads(q, kv, cos, sin, self.training)))
         return x + self.hidden_dropout(self.ln_mlp(x))
 
 

@@ -2,7 +2,7 @@
 Engine or apex (each test says which).
 
 Tolerances (the libraries run other kernels: other GEMM algorithms and reduction orders, TF32 where cuBLAS picks it
-for fp32, fused LayerNorm statistics):
+for fp32, fused LayerNorm and RMSNorm statistics); model.impl=te is checked for the GPT-2 and the Llama block:
 
     model.impl=te vs native, fp32      loss within 1e-3 relative; every gradient within 1e-2 of its largest entry
     model.impl=te vs native, bf16      loss within 2e-2 relative; every gradient within 5e-2 of its largest entry
@@ -40,6 +40,7 @@ needs_apex_norm = _needs("NVIDIA apex's multi-tensor kernels", fastpaths.apex_gr
 VOCAB = 257
 # Every fp8 GEMM dimension a multiple of 16, tokens per micro-batch a multiple of 8.
 CFG = dict(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, max_position_embeddings=64)
+LLAMA = dict(arch="llama", num_query_groups=2)  # RMSNorm, rotary, grouped-query attention, SwiGLU (TELlamaBlock)
 
 
 def _stage(group, dtype, fp8=False, **cfg) -> GPTStage:
@@ -60,11 +61,12 @@ def _tokens() -> torch.Tensor:
 
 
 @needs_te
+@pytest.mark.parametrize("arch", [{}, LLAMA], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("dtype,loss_rtol,grad_tol", [(torch.float32, 1e-3, 1e-2), (torch.bfloat16, 2e-2, 5e-2)])
-def test_te_blocks_match_native(process_group, dtype, loss_rtol, grad_tol):
+def test_te_blocks_match_native(process_group, dtype, loss_rtol, grad_tol, arch):
     group = process_group.tp_group
-    native_loss, native = _loss_and_grads(_stage(group, dtype), _tokens())
-    te_loss, te = _loss_and_grads(_stage(group, dtype, impl="te"), _tokens())
+    native_loss, native = _loss_and_grads(_stage(group, dtype, **arch), _tokens())
+    te_loss, te = _loss_and_grads(_stage(group, dtype, impl="te", **arch), _tokens())
     assert te_loss == pytest.approx(native_loss, rel=loss_rtol)
     assert te.keys() == native.keys()
     for name, grad in native.items():

@@ -98,6 +98,11 @@ def test_fp8_needs_te_layers_a_gpu_with_fp8_and_shapes_its_gemms_take(cuda_here,
                                     data={"seq_len": 15}), tp=1)
     with pytest.raises(ConfigError, match=r"the FFN size / parallel.tp = 136 is not a multiple of 16"):
         check_fast_path_config(_cfg(model={"impl": "te", "ffn_hidden_size": 272}, train={"precision": "fp8"}), tp=2)
+    llama = {"impl": "te", "arch": "llama", "num_heads": 4, "num_query_groups": 1}  # q 64 + k 16 + v 16 rows
+    check_fast_path_config(_cfg(model=llama, train={"precision": "fp8"}), tp=2)
+    with pytest.raises(ConfigError, match=r"\(model.num_heads \+ 2 x model.num_query_groups\) x head size / "
+                                          r"parallel.tp = 24 is not a multiple of 16"):
+        check_fast_path_config(_cfg(model=llama, train={"precision": "fp8"}), tp=4)
 
 
 def test_apex_missing_or_not_nvidias(cuda_here, monkeypatch):
