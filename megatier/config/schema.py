@@ -59,8 +59,8 @@ class ModelConfig:
     impl: str = "native"
     layernorm_impl: str = "native"
     # The order micro-batches pass the pipeline stages: "standard", or "checkfree_plus" (the odd micro-batches
-    # of each step with the layers of stages 0/1 and P-2/P-1 swapped, and replicas of the position embedding
-    # and final LayerNorm on the neighbouring stages, so a lost first or last stage can be rebuilt;
+    # of each step with the layers of stages 0/1 and P-2/P-1 swapped, and replicas of the end stages' other
+    # parameters on the neighbouring stages, so a lost first or last stage can be rebuilt;
     # megatier.parallel.checkfree_plus). Needs parallel.pp >= 4, num_layers divisible by pp, >= 2 micro-batches.
     pipeline_order: str = "standard"
     # Activation recomputation: "none"; "selective" (the attention core: its inputs are kept, its scores and

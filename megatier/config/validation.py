@@ -33,10 +33,6 @@ def _validate_arch(m: ModelConfig, tp: int) -> None:
     _require(m.rope_theta > 0, f"model.rope_theta={m.rope_theta} must be positive")
     _require(m.layernorm_impl == "native", f"model.layernorm_impl={m.layernorm_impl!r} is a LayerNorm; llama's "
                                            f"RMSNorm has model.layernorm_impl=native")
-    _require(m.pipeline_order != "checkfree_plus", "model.pipeline_order=checkfree_plus rebuilds a lost first stage's "
-                                                    "word embedding from the tied output head; llama's head is not "
-                                                    "tied: use pipeline_order=standard (CheckFree still rebuilds an "
-                                                    "intermediate stage)")
 
 
 def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:

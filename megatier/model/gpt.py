@@ -192,12 +192,23 @@ class GPTStage(nn.Module):
             if not (spec.is_first and self.tied):
                 rows = self.padded_vocab_size // spec.tp
                 self.head_weight = mark_partition(nn.Parameter(torch.empty(rows, cfg.hidden_size)), 0)
-        if "pos" in spec.replicas:  # not used in forward: a copy of stage 0's positions
-            self.pos_replica = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            mark_partition(self.pos_replica.weight, None)
-        if "final_norm" in spec.replicas:  # not used in forward: a copy of the last stage's final LayerNorm
-            self.final_norm_replica = _layer_norm(cfg)
+        for kind in spec.replicas:  # CheckFree+'s copies of an end stage's parameters, not used in forward
+            self.add_module(f"{kind}_replica", self._replica(kind))
         self._record_full_shapes()
+
+    def _replica(self, kind: str) -> nn.Module:
+        """A module holding a copy of the parameters of ``kind`` (megatier.parallel.checkfree_plus): the position
+        embedding, the word embedding or the head (vocabulary rows cut over tp as theirs), the final norm."""
+        h = self.cfg.hidden_size
+        if kind == "final_norm":
+            return _layer_norm(self.cfg)
+        if kind == "pos":
+            copy = nn.Embedding(self.cfg.max_position_embeddings, h)
+            mark_partition(copy.weight, None)
+            return copy
+        copy = nn.Module()  # word or head: this rank's vocabulary rows
+        copy.weight = mark_partition(nn.Parameter(torch.empty(self.padded_vocab_size // self.spec.tp, h)), 0)
+        return copy
 
     def _record_full_shapes(self) -> None:
         """param.full_shape = the full, unsharded, unpadded shape (vocab rows cut back to the true vocabulary);

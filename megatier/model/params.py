@@ -20,16 +20,17 @@ from dataclasses import dataclass
 from megatier.config import ModelConfig
 from megatier.config.schema import ffn_size
 from megatier.optim.flat import ParamSpec
-from megatier.parallel.checkfree_plus import REPLICA_SOURCES, replicas_of
+from megatier.parallel.checkfree_plus import REPLICA_SOURCES, replica_parameters, replicas_of
 
 # Parameters with one row per vocabulary id; padded to padded_vocab_size rows in a GPTStage.
-VOCAB_PARAMS = ("word.weight", "head_weight")
+VOCAB_PARAMS = ("word.weight", "head_weight", "word_replica.weight", "head_replica.weight")
 
 
 def copies_of(cfg: ModelConfig) -> dict[str, str]:
     """Parameters that hold a copy of another stage's parameter -> the parameter they copy: GPT-2's output head
-    on a last stage (pp > 1; tied to the word embedding) and CheckFree+'s replicas of the position embedding and
-    the final LayerNorm. Llama's head is a parameter of its own."""
+    on a last stage (pp > 1; tied to the word embedding) and CheckFree+'s replicas (of the position embedding
+    and the final LayerNorm; Llama: of the word embedding, the final RMSNorm and the head). Llama's head is a
+    parameter of its own."""
     tied = {"head_weight": "word.weight"} if cfg.arch == "gpt2" else {}
     return {**tied, **REPLICA_SOURCES}
 
@@ -55,7 +56,7 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
 def stage_spec(cfg: ModelConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int) -> "StageSpec":
     """What pipeline stage ``pp_rank`` of ``pp`` holds on tp rank ``tp_rank`` (layers, ends, replicas)."""
     return StageSpec(stage_layers(cfg.num_layers, pp, pp_rank), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
-                     replicas_of(cfg.pipeline_order, pp, pp_rank))
+                     replicas_of(cfg.pipeline_order, pp, pp_rank, cfg.arch))
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class StageSpec:
     is_last: bool
     tp_rank: int = 0
     tp: int = 1
-    # Copies of a neighbouring stage's parameters this stage keeps (CheckFree+: "pos" and/or "final_norm";
-    # megatier.parallel.checkfree_plus.replicas_of). They are trained as copies: same gradient, same update.
+    # Copies of a neighbouring stage's parameters this stage keeps (CheckFree+: "pos", "word", "final_norm",
+    # "head"; megatier.parallel.checkfree_plus.replicas_of). They are trained as copies: same gradient, same update.
     replicas: tuple[str, ...] = ()
 
 
@@ -101,7 +102,8 @@ def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, 
 # "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (GPT-2's fused qkv in 3
 # blocks, Llama's stacked k/v and gate/up in 2), RowParallelLinear input columns (its bias replicated), the
 # vocabulary embedding and the head vocabulary rows.
-TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
+TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "word_replica.weight": (0, 1),
+             "head_replica.weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
              "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1),
              "attn.q.weight": (0, 1), "attn.kv.weight": (0, 2), "mlp.gate_up.weight": (0, 2)}
 
@@ -120,10 +122,8 @@ def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list
         names += [n for n in full if n.startswith("final_norm.")]
     if spec.is_last and not (spec.is_first and tied):
         names = ["head_weight"] + names  # a parameter of the stage itself: named before its submodules'
-    if "pos" in spec.replicas:
-        names += ["pos_replica.weight"]
-    if "final_norm" in spec.replicas:
-        names += ["final_norm_replica.weight", "final_norm_replica.bias"]
+    for kind in spec.replicas:
+        names += replica_parameters(kind, cfg.arch)
     padded = padded_vocab_size(vocab_size, cfg.make_vocab_size_divisible_by, spec.tp)
     out = []
     for name in names:

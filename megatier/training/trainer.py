@@ -236,7 +236,7 @@ class Trainer:
             names = [n for n, p in self.model.named_parameters() if any(p is q for q in shared)]
             self.grads.all_reduce_segments(names, self.ps.embedding_group)
         if self.comm is not None:
-            sync_replica_grads(self.grads, self.comm, self.cfg.model.pipeline_order)
+            sync_replica_grads(self.grads, self.comm, self.cfg.model.pipeline_order, self.cfg.model.arch)
 
     def train_step(self, step: int) -> dict:
         """Run training step ``step`` and return its metrics record."""

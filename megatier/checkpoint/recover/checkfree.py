@@ -34,9 +34,9 @@ alone cannot rebuild them. A job trained with ``model.pipeline_order=checkfree_p
 end stage's layers become a copy of its *stand-in* (stage 1 for stage 0, P-2
 for P-1: the swap partner that learned to do its job), and every parameter of a
 lost stage that is not a transformer layer (the word embedding, positions, final
-LayerNorm, and the replicas a stage keeps) is copied bit for bit from the
-nearest surviving stage that holds it or a copy of it (the tied head and the
-replicas), :func:`plan`.
+norm, an untied head, and the replicas a stage keeps) is copied bit for bit from
+the nearest surviving stage that holds it or a copy of it (GPT-2's tied head and
+the replicas), :func:`plan`.
 
 Training goes on at E + 1 on every stage, without a rollback. The result is
 not exact, and the run says so: every rank records E as ``inexact_since`` (kept
@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -126,9 +126,10 @@ def _layer_sources(i: int, pp: int, stage_names: Sequence[set[str]], sumsq: Sequ
     return tuple((j, sumsq[j] if init == "weighted" else 1.0) for j in sides), False
 
 
-def _extras(i: int, lost: Sequence[int], stage_names: Sequence[set[str]]) -> dict[str, int]:
+def _extras(i: int, lost: Sequence[int], stage_names: Sequence[set[str]], canonical: Callable[[str], str]
+            ) -> dict[str, int]:
     """Each of stage ``i``'s parameters other than layers -> the nearest surviving stage holding it (or a copy)."""
-    held = [{canonical_name(n) for n in names} for names in stage_names]
+    held = [{canonical(n) for n in names} for names in stage_names]
     out = {}
     for name in sorted(held[i]):
         if _LAYER.match(name):
@@ -142,10 +143,11 @@ def _extras(i: int, lost: Sequence[int], stage_names: Sequence[set[str]]) -> dic
 
 
 def plan(lost: Sequence[int], stage_names: Sequence[set[str]], sumsq: Sequence[Optional[float]], end: int,
-         init: str) -> list[StageRebuild]:
+         init: str, canonical: Callable[[str], str] = canonical_name) -> list[StageRebuild]:
     """The rebuild of every lost stage (pure; every rank computes the same); RecoveryError naming the stage when
     it cannot be done. ``stage_names[j]``: the parameter names stage j holds; ``sumsq[j]``: its squared
-    gradient norm at ``end``; ``init``: weighted (both neighbours), copy (the previous one), random (none)."""
+    gradient norm at ``end``; ``init``: weighted (both neighbours), copy (the previous one), random (none);
+    ``canonical(name)``: the parameter whose values ``name`` holds (a copy's source; GPT-2's by default)."""
     pp, out = len(stage_names), []
     for i in lost:
         sources, stand = _layer_sources(i, pp, stage_names, sumsq, end, init)
@@ -156,7 +158,7 @@ def plan(lost: Sequence[int], stage_names: Sequence[set[str]], sumsq: Sequence[O
                                  f"{len(layers_of(stage_names[j]))}; CheckFree needs stages of identical shape "
                                  f"(model.num_layers divisible by parallel.pp)")
         renames = tuple(dict(zip(layers_of(stage_names[j]), mine)) for j, _ in sources)
-        out.append(StageRebuild(i, sources, renames, _extras(i, lost, stage_names), stand))
+        out.append(StageRebuild(i, sources, renames, _extras(i, lost, stage_names, canonical), stand))
     return out
 
 
@@ -248,10 +250,12 @@ def rebuild(ctx: CheckpointContext, shard: ShardAccess, consensus: Consensus) ->
                               "scaler": None if lost or o.scaler is None else o.scaler.state_dict()},
                              what="CheckFree (stage descriptions)")
     stage_names: list[set[str]] = [set() for _ in range(degrees[1])]
+    sources = {}  # the segments say which parameters are copies of which (the tied head, the replicas)
     for rank, t in enumerate(tables):
         stage_names[stage_of(rank, degrees)].update(d["name"] for d in t["segments"])
+        sources.update((d["name"], d.get("source") or d["name"]) for d in t["segments"])
     sumsq = stage_sumsq([t["sumsq"] for t in tables], degrees)
-    rebuilds = plan(consensus.lost_stages, stage_names, sumsq, end, cf.init)
+    rebuilds = plan(consensus.lost_stages, stage_names, sumsq, end, cf.init, lambda n: sources.get(n, n))
     fatal = None
     try:
         got = _exchange(ctx, shard, rebuilds, tables)

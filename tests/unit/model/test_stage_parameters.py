@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 from megatier.config import ModelConfig
 from megatier.model.gpt import GPTStage
-from megatier.model.params import StageSpec, stage_parameters
+from megatier.model.params import StageSpec, padded_vocab_size, stage_parameters
 from megatier.optim.flat import FlatLayout
 
 CFG = ModelConfig(num_layers=3, hidden_size=32, num_heads=4, max_position_embeddings=16, ffn_hidden_size=48)
@@ -55,6 +55,22 @@ def test_llama_stage_parameters_are_the_built_stages(stage, tp, tp_rank):
     names = [b[0] for b in built]
     assert ("head_weight" in names) == last and "pos.weight" not in names  # untied head, rotary positions
     assert all(b[5] == "" for b in built)  # no copies: the head is a parameter of its own
+
+
+@pytest.mark.parametrize("tp,tp_rank", [(1, 0), (2, 1)])
+@pytest.mark.parametrize("replicas", [("word",), ("final_norm", "head")])
+def test_llama_checkfree_plus_replicas_are_described(replicas, tp, tp_rank):
+    """CheckFree+ on Llama: stage 1 copies the word embedding, stage P-2 the final RMSNorm and the untied head,
+    vocabulary rows cut over tp as their sources'."""
+    spec = StageSpec(range(1, 2), False, False, tp_rank=tp_rank, tp=tp, replicas=replicas)
+    built, _ = _built(spec, LLAMA)
+    assert [tuple(p) for p in stage_parameters(LLAMA, VOCAB, spec)] == built
+    copies = {b[0]: (b[1], b[2], b[4], b[5]) for b in built if b[5]}
+    rows = padded_vocab_size(VOCAB, LLAMA.make_vocab_size_divisible_by, tp) // tp
+    want = {"word": {"word_replica.weight": ((rows, 32), 0, (VOCAB, 32), "word.weight")},
+            "final_norm": {"final_norm_replica.weight": ((32,), None, (32,), "final_norm.weight")},
+            "head": {"head_replica.weight": ((rows, 32), 0, (VOCAB, 32), "head_weight")}}
+    assert copies == {k: v for kind in replicas for k, v in want[kind].items()}
 
 
 def test_the_flat_layout_of_described_parameters_is_the_modules():

@@ -2,12 +2,16 @@
 rebuild plan and the mix of the neighbours' weights."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from megatier.checkpoint.recover.checkfree import layers_of, mix, plan, stage_sumsq
 from megatier.checkpoint.recover.consensus import checkfree_refusal, decide, lost_stages
 from megatier.checkpoint.recover.inventory import RecoveryError
+from megatier.config import ModelConfig
+from megatier.model.params import canonical_name
 from tests.unit.checkpoint.recover.test_consensus import B, D, copies
 
 pytestmark = pytest.mark.timeout(60)
@@ -113,6 +117,21 @@ def test_checkfree_plus_rebuilds_an_end_stage_from_its_stand_in_and_exact_copies
     assert rb.sources == ((0, 2.0), (2, 3.0)) and rb.extras == {"pos.weight": 0}
     with pytest.raises(RecoveryError, match="no surviving stage holds word.weight"):
         plan([0, 4], _names(pp=5, plus=True), [None, 1.0, 1.0, 1.0, None], 10, "weighted")
+
+
+def test_checkfree_plus_rebuilds_a_llama_end_stage_from_its_replicas():
+    """Llama: the head is not the word embedding, so each end comes back from stage 1's or P-2's replicas."""
+    cfg = ModelConfig(arch="llama", pipeline_order="checkfree_plus")
+    names = [{"word.weight", "layers.0.attn.q.weight"}, {"layers.1.attn.q.weight", "word_replica.weight"},
+             {"layers.2.attn.q.weight", "final_norm_replica.weight", "head_replica.weight"},
+             {"layers.3.attn.q.weight", "final_norm.weight", "head_weight"}]
+    canonical = functools.partial(canonical_name, cfg=cfg)
+    (rb,) = plan([0], names, [None, 1.0, 1.0, 1.0], 10, "weighted", canonical)
+    assert rb.stand_in and rb.sources == ((1, 1.0),) and rb.extras == {"word.weight": 1}
+    (rb,) = plan([3], names, [1.0, 1.0, 1.0, None], 10, "weighted", canonical)
+    assert rb.sources == ((2, 1.0),) and rb.extras == {"final_norm.weight": 2, "head_weight": 2}
+    # GPT-2's reading (the head is the tied word embedding) would copy the embedding into the head.
+    assert plan([3], names, [1.0] * 4, 10, "weighted")[0].extras == {"final_norm.weight": 2, "word.weight": 1}
 
 
 def test_mix_is_the_weighted_average_in_float64():
