@@ -13,8 +13,9 @@ import sys
 from typing import Optional
 
 from megatier.config import compose_config
+from megatier.training import outcome
 from megatier.training.interrupt import StopRequest
-from megatier.training.outcome import EXIT_INTERRUPTED, finished, interrupted, is_rank0, refusal, say
+from megatier.training.outcome import is_rank0, say
 from megatier.training.trainer import Trainer
 
 
@@ -31,19 +32,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer.train()
         summary = trainer.close()
     except KeyboardInterrupt:  # a second Ctrl-C: no drain
-        step = trainer.step if trainer is not None else 0
-        say(interrupted(step, None if trainer is None or trainer.checkpointer is None else "the newest checkpoint "
-                        "in node memory (at most the step in flight is lost)"), err=True)
-        return EXIT_INTERRUPTED
+        return outcome.interrupted_twice(trainer)
+    except outcome.DIVERGED as e:
+        return outcome.diverged(trainer, e)
     except Exception as e:
-        refused = refusal(e)
+        refused = outcome.refusal(e)
         if refused is None:
             raise
         say(refused[1], err=True)
         return refused[0]
     finally:
         stop.uninstall()
-    return finished(trainer, summary)
+    return outcome.finished(trainer, summary)
 
 
 if __name__ == "__main__":

@@ -297,6 +297,18 @@ class LoggingConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    """What the loop does with a step that is not finite (megatier.training.nonfinite)."""
+
+    # fp32/bf16, a step whose gradient norm is NaN or inf: "stop" the run (exit 5, one line naming the step, the
+    # ranks and the tensors; the checkpoints end at the step before) or "skip_step" (nothing applied, the diff
+    # stream records only the skip). fp16's loss scaler skips its overflows either way.
+    on_nonfinite: str = "stop"
+    # More skipped steps than this in a row (fp16 overflows, or skip_step) stop the run as diverged.
+    max_consecutive_skips: int = 50
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -305,3 +317,4 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)

@@ -7,11 +7,22 @@ creates a process group, a dataset or a wandb run.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
 from megatier.config.fast_path_validation import check_fast_path_config
-from megatier.config.schema import ARCHS, RECOMPUTE, Config, DataConfig, ModelConfig, OptimConfig, TrainConfig, ffn_size
+from megatier.config.schema import (
+    ARCHS,
+    RECOMPUTE,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ReliabilityConfig,
+    TrainConfig,
+    ffn_size,
+)
 from megatier.config.schema import require as _require
 
 
@@ -83,6 +94,18 @@ def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
         f"train.micro_batch_size={t.micro_batch_size}"
         f" x dp={dp or 1}; make it a multiple of {per_step}",
     )
+
+
+def _validate_reliability(r: ReliabilityConfig, precision: str, o: OptimConfig) -> None:
+    _require(r.on_nonfinite in ("stop", "skip_step"), f"reliability.on_nonfinite={r.on_nonfinite!r} must be stop or "
+                                                     f"skip_step")
+    backoff = o.hysteresis * max(0, math.ceil(math.log2(o.initial_loss_scale / o.min_loss_scale)))
+    _require(precision != "fp16" or r.max_consecutive_skips >= backoff,
+             f"reliability.max_consecutive_skips={r.max_consecutive_skips} would stop an fp16 run before its loss "
+             f"scale can back off from optim.initial_loss_scale to optim.min_loss_scale ({backoff} skipped steps); "
+             f"raise it to at least {backoff}")
+    _require(r.max_consecutive_skips >= 1, f"reliability.max_consecutive_skips={r.max_consecutive_skips} must be "
+                                           f">= 1")
 
 
 def _validate_optim(o: OptimConfig) -> None:
@@ -157,6 +180,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
                                                f"parallel.tp={p.tp}")
         _require(cfg.model.impl == "native", f"parallel.sequence_parallel runs on the native blocks; "
                                              f"model.impl={cfg.model.impl} has its own (set model.impl=native)")
+    _validate_reliability(cfg.reliability, cfg.train.precision, cfg.optim)
     w = cfg.logging.wandb
     _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
                                                           "disabled")

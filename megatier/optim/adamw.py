@@ -38,6 +38,8 @@ from megatier.optim.grad_norm import local_sumsq
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass(frozen=True)
 class StepStats:
@@ -95,14 +97,17 @@ class DistributedAdamW:
         if scale != 1.0:
             grad.div_(scale)
         sumsq = self._global_sumsq(grad)
-        overflow = not math.isfinite(sumsq)
+        # Not finite, or a gradient element whose square overflows fp32: that square would make exp_avg_sq inf
+        # (the norm is summed in float64, so it alone stays finite).
+        overflow = not math.isfinite(sumsq) or sumsq > _FP32_MAX
         if self.scaler is not None:
             self.scaler.update(overflow)
         norm = math.sqrt(sumsq) if not overflow else float("inf")
         lr = self.schedule(iteration) * self.lr_scale
         self.last_lr, self.last_skipped = lr, overflow
         if overflow:
-            # fp16 overflow (or a non-finite loss): nothing is applied; the Adam count does not advance.
+            # fp16 overflow, or a non-finite gradient (megatier.training.nonfinite says what the run does next):
+            # nothing is applied; the Adam count does not advance.
             self.last_grad = grad
             return StepStats(lr, norm, True, scale)
         if self.cfg.clip_grad > 0 and norm > self.cfg.clip_grad:

@@ -8,6 +8,9 @@ Exit statuses (docs/operations.md):
          another live run of the job)
     3    trained, but Tier-3 stayed behind: the newest checkpoints are only in node memory
     4    recovery refused: checkpoints of this job exist but no consistent state can be restored from them
+    5    stopped as diverged: a step's gradient was not finite (reliability.on_nonfinite=stop), too many steps
+         in a row were skipped, or the state about to be checkpointed held NaN or inf; the checkpoints end at the
+         last finite state
     130  interrupted (Ctrl-C); relaunch the same command to resume
 
 Anything else is a failure, with its traceback. A refusal is raised on every rank the same way; only global
@@ -20,11 +23,16 @@ import sys
 from typing import Optional
 
 from megatier.checkpoint.commit.lease import LeaseHeld
+from megatier.checkpoint.format.finite import NonFiniteState
 from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
 from megatier.config import ConfigError
 from megatier.interop.hf_files import HFFormatError
+from megatier.training.nonfinite import NonFiniteStep
 
-EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_DIVERGED = 0, 2, 3, 4, 5
+EXIT_INTERRUPTED = 130
+# What stops a run as diverged (exit 5): a non-finite step, or a non-finite state about to be checkpointed.
+DIVERGED = (NonFiniteStep, NonFiniteState)
 
 
 def is_rank0() -> bool:
@@ -48,6 +56,31 @@ def refusal(error: BaseException) -> Optional[tuple[int, str]]:
     if isinstance(error, RecoveryError):
         return EXIT_RECOVERY_REFUSED, str(error)
     return None
+
+
+def diverged(trainer, error: BaseException) -> int:
+    """Print the line of a run stopped as diverged (:data:`DIVERGED`) and return the exit status. After a
+    non-finite step (neither applied nor checkpointed) the checkpointer is closed first, so the last finite
+    state is made durable; a non-finite state found by the save thread is not checkpointed at all."""
+    resume = ""
+    if trainer is not None and isinstance(error, NonFiniteStep):
+        try:
+            summary = trainer.close()
+            resume = f"; checkpoints are durable at step {summary['step']}" if trainer.checkpointer else ""
+        except NonFiniteState as state:  # the last state itself is not finite: not checkpointed either
+            resume = f"; and {state}"
+    say(f"stopped: {error}{resume}", err=True)
+    return EXIT_DIVERGED
+
+
+def interrupted_twice(trainer) -> int:
+    """Print the line of a launch a second Ctrl-C ended without draining (``trainer`` None: during the build)
+    and return the exit status."""
+    step = trainer.step if trainer is not None else 0
+    resume = None if trainer is None or trainer.checkpointer is None else \
+        "the newest checkpoint in node memory (at most the step in flight is lost)"
+    say(interrupted(step, resume), err=True)
+    return EXIT_INTERRUPTED
 
 
 def interrupted(step: int, resume_from: Optional[str]) -> str:

@@ -53,6 +53,7 @@ from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 from megatier.seeding import derive_seed
 from megatier.training.interrupt import StopRequest
+from megatier.training.nonfinite import NonFiniteGuard
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,8 @@ class Trainer:
         self._build_data()
         self._build_model()
         self._build_optimizer()
+        self.nonfinite = NonFiniteGuard(cfg.reliability, self.optimizer.scaler is not None, self.ps.rank,
+                                        self.ps.world_group)
         self.step = 0
         self.logger = self._build_logger()
         self.goodput = self._build_ledger(started)
@@ -250,6 +253,7 @@ class Trainer:
         self._sync_copies()
         stats = self.optimizer.step(step)
         loss, stop = self._global_loss(local_loss)
+        self.nonfinite.check(step, stats.skipped, loss, self.optimizer.last_grad, self.optimizer.shard_segments)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
@@ -259,6 +263,11 @@ class Trainer:
             record["stop_requested"] = True
         if self.optimizer.scaler is not None:
             record["loss_scale"] = stats.loss_scale
+        elif stats.skipped:  # reliability.on_nonfinite=skip_step
+            record["nonfinite_skipped"] = self.nonfinite.nonfinite_steps
+            if self.ps.rank == 0:
+                log.warning("step %d: the gradient is not finite (loss %s); skipped, nothing applied "
+                            "(reliability.on_nonfinite=skip_step)", step, loss)
         return record
 
     @torch.no_grad()

@@ -23,7 +23,8 @@ have none, e.g. a skipped fp16 step).
 
 Checksums are verified where bytes are read from a tier (the tier loaders call
 :func:`verify_payload`); :func:`decode_base` and :func:`decode_diff_batch`
-check identity (job id, layout, unit) against the stamp and the caller.
+check identity (job id, layout, unit) against the stamp and the caller, and
+that every value is finite (:mod:`.finite`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import safetensors.torch
 import torch
 import xxhash
 
+from megatier.checkpoint.format.finite import nonfinite
 from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
 from megatier.checkpoint.storage.store import Buffer
 from megatier.parallel.layout import Layout
@@ -368,9 +370,17 @@ def _optional_int(value) -> Optional[int]:
     return None if value is None else int(value)
 
 
+def _require_finite(tensors: dict[str, torch.Tensor], source: str) -> None:
+    bad = nonfinite(tensors)
+    if bad:
+        raise PayloadError(f"{source}: {', '.join(bad)} hold NaN or inf although the bytes match their checksum: "
+                           f"a poisoned state, not a recovery source")
+
+
 def decode_base(payload: EncodedPayload, *, job_id: str, layout: Layout, source: str) -> BaseState:
     """Rebuild a BaseState; raises PayloadError naming ``source`` on any mismatch."""
     meta, tensors = _open(payload, (BASE,), job_id, layout, source)
+    _require_finite(tensors, source)
     try:
         rng = {name: tensors[f"rng/{name}"] for name in meta["rng"]}
         return BaseState(payload.stamp.pid.version, int(meta["adam_steps"]), tensors["master"], tensors["exp_avg"],
@@ -386,6 +396,7 @@ def decode_diff_batch(payload: EncodedPayload, *, job_id: str, layout: Layout,
     """Rebuild the batch's (or step unit's) DiffSteps in step order; raises PayloadError naming ``source`` on any
     mismatch."""
     meta, tensors = _open(payload, (DIFF, STEP), job_id, layout, source)
+    _require_finite(tensors, source)
     pid = payload.stamp.pid
     try:
         steps = [DiffStep(int(r["step"]), float(r["lr"]), int(r["adam_step"]), bool(r["skipped"]),

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from megatier.checkpoint.format.finite import NonFiniteState, nonfinite
 from megatier.checkpoint.format.payload import (
     BaseState,
     DiffStep,
@@ -165,6 +166,8 @@ class SaveWorker:
             self._work_one()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, NonFiniteState):
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"rank {self.layout.rank}: checkpoint save thread failed: {self._error!r}"
                                ) from self._error
@@ -223,6 +226,11 @@ class SaveWorker:
     def _base(self, state: Union[BaseState, Reconcile]) -> PayloadDraft:
         if isinstance(state, Reconcile):
             state = state.result()
+        bad = nonfinite({name: getattr(state, name) for name in ("master", "exp_avg", "exp_avg_sq")})
+        if bad:  # never a recovery point (megatier.checkpoint.format.finite)
+            raise NonFiniteState(f"rank {self.layout.rank}: the training state at step {state.version} holds NaN "
+                                 f"or inf in {', '.join(bad)}; its base was not stored, the checkpoints end before "
+                                 f"it. Relaunch to restore the last finite state")
         return draft_base(state, job_id=self.job_id, layout=self.layout, fingerprint=self.fingerprint)
 
     def _store(self, draft: PayloadDraft) -> EncodedPayload:

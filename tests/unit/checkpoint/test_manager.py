@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatier.checkpoint.format.finite import NonFiniteState
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.manager import CheckpointManager, recovery_points
 from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2, TIER3
@@ -139,3 +140,21 @@ def test_the_loops_serial_work_runs_with_its_team_parked_until_the_helpers_are_w
     assert {name for name, _ in calls} == {"compress", "step_unit", "tick", "submit"}
     assert all(parked == (name in ("compress", "step_unit")) for name, parked in calls), calls
     assert all(m["ckpt_unpark_ms"] >= 0.0 for m in metrics)
+
+
+def test_a_base_of_a_state_holding_nan_is_never_stored():
+    """The save thread checks a base before handing it on; the loop learns it at the next hand-over."""
+    tiers = _tiers()
+    opt, shard = tiny_shard()
+    manager = CheckpointManager(context(tiers), shard, inline=True)
+    manager.restore()
+    for s in range(1, 10):
+        step(opt, s)
+        manager.after_step(s)
+    step(opt, 10)
+    opt.exp_avg_sq[2] = float("inf")  # a corrupted shard (a bit flip, a bad kernel), not a step's gradient
+    with pytest.raises(NonFiniteState, match=r"^rank 0: the training state at step 10 holds NaN or inf in "
+                                             r"exp_avg_sq; its base was not stored"):
+        manager.after_step(10)
+    assert all(pid != B(10) for t in tiers for _, pid in t.units)
+    assert (0, B(0)) in tiers[0].units and (0, D(6, 10)) in tiers[0].units  # what was stored stays

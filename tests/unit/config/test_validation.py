@@ -44,6 +44,9 @@ def test_unknown_key_is_rejected(compose_config):
         (["parallel.tp=3"], ["parallel.tp=3"]),
         (["data.prefix=/nonexistent/data"], ["data.prefix", "megatier-preprocess"]),
         (["logging.wandb.mode=sometimes"], ["logging.wandb.mode"]),
+        (["reliability.on_nonfinite=ignore"], ["reliability.on_nonfinite='ignore'", "stop or skip_step"]),
+        (["train.precision=fp16", "reliability.max_consecutive_skips=10"],
+         ["reliability.max_consecutive_skips=10", "(32 skipped steps)", "at least 32"]),
     ],
 )
 def test_validation_names_fields(compose_config, overrides, fields):

@@ -139,3 +139,21 @@ def test_overflow_skips_step(process_group):
     stats = opt.step(1)
     assert stats.skipped and opt.adam_steps == 0 and scaler.scale == 4.0
     assert torch.equal(opt.master, before)
+
+
+def test_a_gradient_whose_square_overflows_fp32_skips_the_step(process_group):
+    """The norm is summed in float64 and stays finite, but g * g in fp32 would make exp_avg_sq inf."""
+    model = _toy_model()
+    layout = FlatLayout.from_module(model, dp=1, tp_rank=0)
+    flat = flatten_parameters(model, layout, torch.float32, torch.device("cpu"))
+    grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=process_group.dp_group)
+    opt = DistributedAdamW(OptimConfig(clip_grad=0.0), layout, flat, grads, dp_rank=0,
+                           dp_group=process_group.dp_group, norm_group=process_group.world_group,
+                           schedule=WarmupCosine(1e-3, 1e-4, 0, 10))
+    before = opt.master.clone()
+    grads.flat[3] = 3e19  # finite, 9e38 squared
+    stats = opt.step(1)
+    assert stats.skipped and opt.adam_steps == 0 and torch.equal(opt.master, before)
+    grads.flat[3] = 1e19  # 1e38 squared: still an fp32 number, so the step is taken
+    stats = opt.step(2)
+    assert not stats.skipped and bool(torch.isfinite(opt.exp_avg_sq).all())

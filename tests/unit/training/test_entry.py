@@ -133,3 +133,24 @@ def test_a_finished_job_relaunched_says_so_and_is_no_failure(tmp_path, corpus_pr
         ledger = json.load(f)
     assert ledger["restarts"] == 0 and ledger["steps_lost"] == 0
     assert RunHistory.read(f"{tmp_path}/run").recoveries == []
+
+
+def test_a_diverging_run_stops_in_one_line_with_exit_5_and_its_last_finite_step_durable(tmp_path, corpus_prefix):
+    """A learning rate of 1e4 blows the loss up at step 2: that step is neither applied nor checkpointed (its
+    gradient's squares overflow fp32), the run stops there, and a relaunch resumes bit-exactly from step 1."""
+    args = _common(tmp_path, corpus_prefix) + ["train.iters=30", "optim.lr=1e4", "optim.min_lr=1e4",
+                                               "optim.warmup_iters=0", "optim.clip_grad=0"]
+    proc = _train(args)
+    assert proc.returncode == 5, proc.stderr
+    (line,) = [s for s in proc.stderr.splitlines() if s.startswith("stopped: ")]
+    assert line.startswith("stopped: step 2: the gradient is not finite or its square overflows fp32 (loss ")
+    assert "first such tensor: rank 0: " in line and line.endswith("checkpoints are durable at step 1")
+    assert "Traceback" not in proc.stderr
+    summary = _records(f"{tmp_path}/run")[-1]
+    assert summary["event"] == "summary" and summary["step"] == 1 and summary["checkpoint_saved_step"] == 1
+    again = _train(args + ["reliability.on_nonfinite=skip_step", "reliability.max_consecutive_skips=3"])
+    assert again.returncode == 5, again.stderr
+    assert "recovered" in again.stdout and "E=1" in again.stdout
+    assert "step 2: the gradient is not finite" in again.stdout  # skipped, logged, nothing applied
+    assert again.stderr.strip().endswith("the run diverged after step 1; lower optim.lr or optim.clip_grad and "
+                                         "relaunch; checkpoints are durable at step 4")

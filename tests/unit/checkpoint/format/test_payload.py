@@ -33,8 +33,8 @@ JOB = "run42"
 def make_base(version: int = 50, n: int = 37) -> BaseState:
     g = torch.Generator().manual_seed(version)
     master = torch.randn(n, generator=g)
-    # Values a careless (e.g. text or fp16) round trip would change.
-    master[:5] = torch.tensor([float("nan"), -0.0, float("inf"), 1e-45, 3.4e38])
+    # Values a careless (e.g. text or fp16) round trip would change (a NaN or an inf is refused: see below).
+    master[:5] = torch.tensor([-3.4e38, -0.0, 1.2e-38, 1e-45, 3.4e38])
     return BaseState(
         version=version, adam_steps=version - 2,
         master=master, exp_avg=torch.randn(n, generator=g), exp_avg_sq=torch.rand(n, generator=g),
@@ -101,6 +101,26 @@ def test_diff_batch_round_trip_keeps_records_and_scalars_exactly():
         for name, t in want.tensors.items():
             assert got.tensors[name].dtype == t.dtype and torch.equal(got.tensors[name], t), name
     assert back[2].skipped and back[2].tensors == {}
+
+
+@pytest.mark.parametrize("where", ["master", "exp_avg_sq"])
+def test_a_base_holding_nan_or_inf_is_not_a_recovery_source(where):
+    """Its bytes match their checksum (they were written so): decoding still refuses it, as a poisoned state."""
+    state = make_base()
+    getattr(state, where)[7] = float("nan") if where == "master" else float("inf")
+    payload = encode_base(state, job_id=JOB, layout=LAYOUT)
+    verify_payload(payload.data, payload.stamp, "mem")
+    with pytest.raises(PayloadError, match=rf"^mem: {where} hold NaN or inf although the bytes match their "
+                                           rf"checksum: a poisoned state"):
+        decode_base(payload, job_id=JOB, layout=LAYOUT, source="mem")
+
+
+def test_a_diff_batch_holding_nan_is_not_a_recovery_source():
+    steps = make_steps()
+    steps[1].tensors["values"][3] = float("nan")
+    payload = encode_diff_batch(steps, job_id=JOB, layout=LAYOUT)
+    with pytest.raises(PayloadError, match=r"s47/values hold NaN or inf"):
+        decode_diff_batch(payload, job_id=JOB, layout=LAYOUT, source="mem")
 
 
 def test_diff_batch_rejects_gaps():

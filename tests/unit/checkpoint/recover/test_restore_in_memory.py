@@ -1,10 +1,14 @@
 """restore() with in-memory tiers in a world of one: the cascade, fallbacks, cleanup and refusals."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import pytest
+import safetensors.torch
 import torch
 
-from megatier.checkpoint.format.payload import EncodedPayload
+from megatier.checkpoint.format.payload import EncodedPayload, checksum, read_metadata
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.recover.inventory import RecoveryError
@@ -70,3 +74,31 @@ def test_nothing_anywhere_is_a_fresh_start_and_a_lost_base_is_refused():
     with pytest.raises(RecoveryError, match="no base version is available"):
         restore(context(tiers), tiny_shard()[1], allow_fresh_start=False)
     assert restore(context(tiers), tiny_shard()[1], allow_fresh_start=True) is None
+
+
+def _poison(tier: MemoryTier, pid: PayloadId) -> None:
+    """Plant a NaN into the base's master weights and stamp the result with its own valid checksum (the
+    Megatron-LM 5281 case: a copy that loads cleanly and turns the loss NaN)."""
+    p = tier.units[(0, pid)]
+    tensors = safetensors.torch.load(p.data)
+    tensors["master"][3] = float("nan")
+    data = safetensors.torch.save(tensors, metadata={"megatier": json.dumps(read_metadata(p.data, "test"))})
+    tier.units[(0, pid)] = EncodedPayload(data, dataclasses.replace(p.stamp, size=len(data), xxh64=checksum(data)))
+
+
+def test_a_poisoned_base_with_a_valid_checksum_is_never_restored():
+    tiers, snaps = _saved(12)
+    _poison(tiers[0], B(10))  # in node memory only: Tier-3's copy serves
+    opt, shard = tiny_shard()
+    result = restore(context(tiers), shard, allow_fresh_start=False)
+    assert (result.version, result.end) == (10, 10) and result.record["source_tiers"]["tier3"] == 1
+    assert any("base v10" in f and "poisoned" in f for f in result.record["fallbacks"])
+    assert torch.equal(opt.master, snaps[10]["master"])
+
+    tiers, snaps = _saved(12)
+    for tier in tiers:  # every copy poisoned: the point before it, rebuilt from the older base and its chain
+        _poison(tier, B(10))
+    opt, shard = tiny_shard()
+    result = restore(context(tiers), shard, allow_fresh_start=False)
+    assert result.version == 0 and result.end == 10
+    assert torch.equal(opt.master, snaps[10]["master"]) and bool(torch.isfinite(opt.master).all())
