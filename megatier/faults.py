@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import torch
+
 ENV = "MEGATIER_CRASH_AT"
 
 
@@ -112,3 +114,49 @@ class FaultInjector:
 
     # Mechanism code takes a plain FaultHook callable.
     __call__ = hit
+
+
+FLIP_ENV = "MEGATIER_FLIP_AT"
+
+
+@dataclass
+class ActivationFlip:
+    """A transient fault for reliability drills, armed by ``MEGATIER_FLIP_AT=<step>[:<rank>]``: the first forward
+    pass of ``step`` on ``rank`` (every rank when not given) flips bit 30 (the exponent's highest) of the first
+    element of a block's output, once, as faulty hardware might. Run again, the step computes the right result
+    (megatier.training.sdc must notice and use it)."""
+
+    step: Optional[int] = None
+    current: int = 0
+    fired: bool = False
+
+    @classmethod
+    def from_env(cls, rank: int, environ: Optional[dict] = None) -> "ActivationFlip":
+        spec = (environ if environ is not None else os.environ).get(FLIP_ENV, "").strip()
+        if not spec:
+            return cls()
+        try:
+            parts = [int(p) for p in spec.split(":")]
+            if len(parts) not in (1, 2):
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{FLIP_ENV}={spec!r} is not <step>[:<rank>]; fix or unset it") from None
+        return cls(parts[0] if len(parts) == 1 or parts[1] == rank else None)
+
+    def install(self, module) -> None:
+        """Hook ``module`` (a torch module whose output is a float tensor) when armed."""
+        if self.step is not None:
+            module.register_forward_hook(self._hook)
+
+    def begin(self, step: int) -> None:
+        """Training step ``step`` starts."""
+        self.current = step
+
+    def _hook(self, module, inputs, output):
+        if self.fired or self.current != self.step or not module.training:
+            return None
+        self.fired = True
+        flipped = output.detach().clone()
+        flipped.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
+        sys.stderr.write(f"[megatier] {FLIP_ENV}: flipped a bit of an activation at step {self.step}\n")
+        return output + (flipped - output.detach())  # the flipped values; gradients pass as they would

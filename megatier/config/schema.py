@@ -306,6 +306,10 @@ class ReliabilityConfig:
     on_nonfinite: str = "stop"
     # More skipped steps than this in a row (fp16 overflows, or skip_step) stop the run as diverged.
     max_consecutive_skips: int = 50
+    # A step whose loss or gradient norm is not finite, or above this many times the median of the last 50
+    # applied steps, runs its forward and backward again before anything is applied; a different result is a
+    # transient fault (silent data corruption): the second is used, and the event logged. 0: only non-finite.
+    spike_factor: float = 10.0
 
 
 @dataclass

@@ -104,6 +104,8 @@ def _validate_reliability(r: ReliabilityConfig, precision: str, o: OptimConfig) 
              f"reliability.max_consecutive_skips={r.max_consecutive_skips} would stop an fp16 run before its loss "
              f"scale can back off from optim.initial_loss_scale to optim.min_loss_scale ({backoff} skipped steps); "
              f"raise it to at least {backoff}")
+    _require(r.spike_factor == 0 or r.spike_factor > 1, f"reliability.spike_factor={r.spike_factor} must be 0 (off) "
+                                                         f"or above 1")
     _require(r.max_consecutive_skips >= 1, f"reliability.max_consecutive_skips={r.max_consecutive_skips} must be "
                                            f">= 1")
 

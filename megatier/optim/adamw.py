@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,13 @@ from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import WarmupCosine
 
 _FP32_MAX = torch.finfo(torch.float32).max
+
+
+class Reduced(NamedTuple):
+    """A step's gradient shard and the global sum of squares of the whole gradient."""
+
+    grad: torch.Tensor
+    sumsq: float
 
 
 @dataclass(frozen=True)
@@ -73,8 +80,8 @@ class DistributedAdamW:
         self._pre_step_hooks: list[Callable[[int], None]] = []
 
     def register_pre_step_hook(self, hook: Callable[[int], None]) -> None:
-        """``hook(iteration)`` runs at the start of every :meth:`step`, before the state changes (the spread
-        base capture finishes its copies there)."""
+        """``hook(iteration)`` runs in every :meth:`step` after the gradient is reduced, before the state changes
+        (the spread base capture finishes its copies there)."""
         self._pre_step_hooks.append(hook)
 
     def before_update(self, iteration: int) -> None:
@@ -89,14 +96,20 @@ class DistributedAdamW:
         dist.all_reduce(local, group=self.norm_group)
         return float(local)
 
-    def step(self, iteration: int) -> StepStats:
-        """Apply optimizer step for training iteration ``iteration`` (1-based; it picks the lr)."""
-        self.before_update(iteration)
+    def reduce(self) -> "Reduced":
+        """This step's gradient shard (the mean over dp, unscaled) and the job's sum of its squares. The state is
+        untouched, so a step whose forward and backward run again can be reduced again (megatier.training.sdc)."""
         grad = self.grads.reduce_scatter_mean(self.dp_rank)
+        if self.scaler is not None and self.scaler.scale != 1.0:
+            grad.div_(self.scaler.scale)
+        return Reduced(grad, self._global_sumsq(grad))
+
+    def step(self, iteration: int, reduced: Optional["Reduced"] = None) -> StepStats:
+        """Apply optimizer step for training iteration ``iteration`` (1-based; it picks the lr) to ``reduced``
+        (:meth:`reduce`'s, taken now when not given). The pre-step hooks run first: the state changes after."""
+        grad, sumsq = reduced if reduced is not None else self.reduce()
+        self.before_update(iteration)
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        if scale != 1.0:
-            grad.div_(scale)
-        sumsq = self._global_sumsq(grad)
         # Not finite, or a gradient element whose square overflows fp32: that square would make exp_avg_sq inf
         # (the norm is summed in float64, so it alone stays finite).
         overflow = not math.isfinite(sumsq) or sumsq > _FP32_MAX

@@ -33,14 +33,14 @@ from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_f
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
-from megatier.faults import CrashPoint, FaultInjector
+from megatier.faults import ActivationFlip, CrashPoint, FaultInjector
 from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
 from megatier.model.params import stage_spec
 from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
 from megatier.observe.goodput import GoodputLedger, NullLedger
 from megatier.observe.metrics import MetricsLogger, NullLogger
-from megatier.optim.adamw import DistributedAdamW
+from megatier.optim.adamw import DistributedAdamW, Reduced
 from megatier.optim.canonical import ShardState
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
@@ -54,6 +54,7 @@ from megatier.parallel.state import ParallelState, build_parallel_state, init_pr
 from megatier.seeding import derive_seed
 from megatier.training.interrupt import StopRequest
 from megatier.training.nonfinite import NonFiniteGuard
+from megatier.training.sdc import SpikeCheck, ranks_that_differ
 
 log = logging.getLogger(__name__)
 
@@ -94,12 +95,16 @@ class Trainer:
         self._build_data()
         self._build_model()
         self._build_optimizer()
-        self.nonfinite = NonFiniteGuard(cfg.reliability, self.optimizer.scaler is not None, self.ps.rank,
-                                        self.ps.world_group)
+        scaled = self.optimizer.scaler is not None
+        self.nonfinite = NonFiniteGuard(cfg.reliability, scaled, self.ps.rank, self.ps.world_group)
+        self.spikes = SpikeCheck(cfg.reliability.spike_factor, scaled)
         self.step = 0
         self.logger = self._build_logger()
         self.goodput = self._build_ledger(started)
         self.fault = FaultInjector.from_env(self.ps.rank)
+        self.flip = ActivationFlip.from_env(self.ps.rank)  # a transient fault for drills (megatier.training.sdc)
+        for block in list(self.model.layers.values())[:1]:
+            self.flip.install(block)
         self.checkpointer = self._build_checkpointer(checkpointer)
 
     # ---- construction -------------------------------------------------------------------------
@@ -245,15 +250,17 @@ class Trainer:
         """Run training step ``step`` and return its metrics record."""
         start = time.perf_counter()
         self.model.train()
-        ps = self.ps
-        self.dropout_generator.manual_seed(derive_seed(self.cfg.train.seed, "dropout", step, ps.dp_rank, ps.pp_rank))
-        self.grads.zero()
-        scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
-        local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
-        self._sync_copies()
-        stats = self.optimizer.step(step)
+        self.flip.begin(step)
+        local_loss, reduced = self._gradient(step)
         loss, stop = self._global_loss(local_loss)
+        why = self.spikes.suspicious(loss, reduced.sumsq)
+        rerun = None if why is None else self._rerun(step, why, (local_loss, reduced.grad))
+        if rerun is not None:
+            loss, reduced = rerun
+        stats = self.optimizer.step(step, reduced)
         self.nonfinite.check(step, stats.skipped, loss, self.optimizer.last_grad, self.optimizer.shard_segments)
+        if not stats.skipped:
+            self.spikes.applied(loss, stats.grad_norm)
         elapsed = time.perf_counter() - start
         tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
@@ -261,6 +268,8 @@ class Trainer:
                   "consumed_samples": step * self.cfg.train.global_batch_size, "skipped": stats.skipped}
         if stop:
             record["stop_requested"] = True
+        if why is not None:
+            record["rerun"] = why
         if self.optimizer.scaler is not None:
             record["loss_scale"] = stats.loss_scale
         elif stats.skipped:  # reliability.on_nonfinite=skip_step
@@ -269,6 +278,32 @@ class Trainer:
                 log.warning("step %d: the gradient is not finite (loss %s); skipped, nothing applied "
                             "(reliability.on_nonfinite=skip_step)", step, loss)
         return record
+
+    def _gradient(self, step: int) -> tuple[torch.Tensor, Reduced]:
+        """Step ``step``'s forward and backward (its batch, its dropout masks) and its reduced gradient."""
+        ps = self.ps
+        self.dropout_generator.manual_seed(derive_seed(self.cfg.train.seed, "dropout", step, ps.dp_rank, ps.pp_rank))
+        self.grads.zero()
+        scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
+        local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
+        self._sync_copies()
+        return local_loss, self.optimizer.reduce()
+
+    def _rerun(self, step: int, why: str, first: tuple[torch.Tensor, torch.Tensor]) -> Optional[tuple[float, Reduced]]:
+        """Run suspicious step ``step`` again (megatier.training.sdc); the second loss and gradient when the two
+        runs differ (a transient fault), None when they agree."""
+        first = tuple(t.detach().clone() for t in first)
+        local_loss, reduced = self._gradient(step)
+        loss, _ = self._global_loss(local_loss)
+        ranks = ranks_that_differ(first, (local_loss, reduced.grad), self.ps.world_group, self.device)
+        if self.ps.rank == 0:
+            if ranks:
+                log.warning("step %d: %s; run again it gave another result on rank(s) %s: a transient fault "
+                            "(silent data corruption); training goes on with the second result", step, why, ranks)
+            else:
+                log.info("step %d: %s; run again it gave the same result: not a transient fault", step, why)
+        self.logger.log({"step": step, "event": "rerun", "why": why, "transient": bool(ranks), "ranks": ranks})
+        return (loss, reduced) if ranks else None
 
     @torch.no_grad()
     def evaluate(self) -> Optional[float]:
