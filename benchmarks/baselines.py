@@ -143,7 +143,7 @@ class _Baseline:
                 "bytes_per_checkpoint": self.bytes_per_checkpoint,
                 "disk_bytes_per_checkpoint": self.disk_bytes_per_checkpoint}
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         pass
 
 
@@ -225,7 +225,7 @@ class DcpAsyncSave(_Baseline):
         self.checkpoints.append(step)
         return {"ckpt_bytes": self.bytes_per_checkpoint, "ckpt_wait_ms": 1000.0 * waited}
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         self._wait()
         # Every rank's files of the last save exist once its future resolved on every rank.
         if self.group is not None and dist.get_world_size(self.group) > 1:
@@ -296,5 +296,5 @@ class SnapshotThenPersist(_Baseline):
         self.checkpoints.append(step)
         return {"ckpt_bytes": self.bytes_per_checkpoint, "ckpt_wait_ms": 1000.0 * waited}
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
         self._wait()

@@ -4,7 +4,7 @@ The Trainer knows three calls and nothing else:
 
     step, record = checkpointer.restore()   # before the loop: the step the state is at, the recovery record
     metrics = checkpointer.after_step(s)     # after optimizer step s; merged into the step's metrics
-    checkpointer.close()                     # at exit: drain what is in flight
+    checkpointer.close(failed=...)           # at exit: drain what is in flight
 
 ``Trainer(cfg, checkpointer=factory)`` takes a factory that gets the
 :class:`TrainState` once the model and optimizer exist; without one it uses
@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
 
-from megatier.checkpoint.context import build_context
+from megatier.checkpoint.context import LoopRule, build_context
 from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.storage.store import ObjectStore
@@ -33,9 +33,11 @@ class Checkpointer(Protocol):
     def after_step(self, step: int) -> dict:
         """Checkpoint work after optimizer step ``step``; returns metrics for the step's record."""
 
-    def close(self) -> Optional[dict]:
+    def close(self, *, failed: bool = False) -> Optional[dict]:
         """Finish what is in flight (collective where the checkpointer's work is); the final status, merged into
-        the run's summary record (for the tiered checkpointer: ``checkpoint_behind`` and the durable step)."""
+        the run's summary record (for the tiered checkpointer: ``checkpoint_behind`` and the durable step).
+        ``failed``: the launch ends on a failure it found itself (a diverged step), which the restart-loop guard
+        counts like a crash."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,9 @@ CheckpointerFactory = Callable[[TrainState], Checkpointer]
 
 
 def build_checkpointer(cfg: CheckpointConfig, state: TrainState, *, timeout_s: float,
-                       fault: Optional[FaultInjector] = None, remote_store: Optional[ObjectStore] = None
-                       ) -> CheckpointManager:
+                       fault: Optional[FaultInjector] = None, remote_store: Optional[ObjectStore] = None,
+                       loops: LoopRule = LoopRule()) -> CheckpointManager:
     """The tiered checkpointer of ``cfg`` for this rank (collective: every rank calls it); see build_context."""
     ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store,
-                        fingerprint=state.fingerprint, followed=state.followed)
+                        fingerprint=state.fingerprint, followed=state.followed, loops=loops)
     return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size), model=state.model)

@@ -44,6 +44,14 @@ from megatier.parallel.layout import Layout
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LoopRule:
+    """When failures right after restores are a loop (reliability.loop_window, loop_limit; recover.loops)."""
+
+    window: int = 10
+    limit: int = 2
+
+
 @dataclass
 class CheckpointContext:
     """The checkpoint system's view of this rank: its config, identity, node, tiers and collectives."""
@@ -57,6 +65,7 @@ class CheckpointContext:
     timeout_s: float = 600.0
     fingerprint: dict = field(default_factory=dict)  # megatier.config.fingerprint.state_fingerprint of the run
     followed: tuple[str, ...] = ()  # fingerprint keys a restore takes from the job's record (followed_keys)
+    loops: LoopRule = LoopRule()  # the restart-loop guard's rule
     fingerprint_id: str = field(init=False)
     job_id: str = field(init=False)
     rank: int = field(init=False)
@@ -125,7 +134,7 @@ def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig, comm: Che
 
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
                   remote_store: Optional[ObjectStore] = None, fingerprint: Optional[dict] = None,
-                  followed: tuple[str, ...] = ()) -> CheckpointContext:
+                  followed: tuple[str, ...] = (), loops: LoopRule = LoopRule()) -> CheckpointContext:
     """Open the tiers of ``cfg`` (already validated and made effective for this topology) on every rank.
 
     ``ps`` is the job's ParallelState. Unreachable or unwritable tiers fail here,
@@ -167,4 +176,4 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
                                 drain_timeout_s=cfg.remote.drain_timeout_s, lease=remote.lease, fault=fault,
                                 offline=remote.offline))
     return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s, dict(fingerprint or {}),
-                             tuple(followed))
+                             tuple(followed), loops)

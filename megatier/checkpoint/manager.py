@@ -49,6 +49,8 @@ from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import DIFF, STEP, PayloadId
 from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
+from megatier.checkpoint.recover.loops import closed
+from megatier.checkpoint.recover.restore import RecoveryResult
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.base_capture import BaseCapturer
 from megatier.checkpoint.save.worker import SaveWorker
@@ -121,6 +123,7 @@ class CheckpointManager:
         self._last_base: Optional[int] = None  # the version of the newest base handed to the save thread
         # Units finished at the previous step, for the lockstep tiers: the save thread's (by id) or the loop's own.
         self._handoff: list[Union[PayloadId, EncodedPayload]] = []
+        self._restored: Optional[RecoveryResult] = None  # its restore history is marked clean at a clean close
         saving = [t for t in ctx.tiers if t.saves]
         self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
@@ -156,6 +159,7 @@ class CheckpointManager:
             self.ctx.close()  # this launch will write nothing: stop the tiers, give up the Tier-3 lease
             raise
         start, record = (result.end, result.record) if result is not None else (0, None)
+        self._restored = result
         if result is not None and result.adopted:
             self._follow_job(result.adopted)
         for tier in self.ctx.tiers:
@@ -430,11 +434,12 @@ class CheckpointManager:
             out["inexact_since"] = self.shard.inexact_since
         return out
 
-    def close(self, timeout: Optional[float] = None) -> dict:
+    def close(self, timeout: Optional[float] = None, *, failed: bool = False) -> dict:
         """Drain: finish serializing, hand the last units over, move them, final commit (collective).
 
         Tier-3 gets at most ``checkpoint.remote.drain_timeout_s``; returns the final status
-        (:meth:`_final_status`), which says loudly when Tier-3 stayed behind.
+        (:meth:`_final_status`), which says loudly when Tier-3 stayed behind. Unless the launch ``failed``, the
+        restore it started from is marked clean in the job's restore history (megatier.checkpoint.recover.loops).
         """
         timeout = timeout if timeout is not None else self.ctx.timeout_s
         self._absorb_syncs(block=True)  # before any other collective of the comm
@@ -454,6 +459,9 @@ class CheckpointManager:
         self.worker.close(timeout)
         # Every rank's units are out (Tier-3: markers written) before the final commit round.
         self.ctx.comm.barrier(what=f"the checkpoint drain at exit (after step {self._step})")
+        if self._restored is not None and not failed:
+            for tier in self._restored.keeps_history:
+                tier.record_restores(closed(self._restored.history))
         for tier in self.ctx.tiers:
             tier.close(timeout)
         return self._final_status()

@@ -298,7 +298,8 @@ class LoggingConfig:
 
 @dataclass
 class ReliabilityConfig:
-    """What the loop does with a step that is not finite (megatier.training.nonfinite)."""
+    """What the loop does with a step that is not finite (megatier.training.nonfinite), a suspicious step
+    (megatier.training.sdc), and a job that keeps failing right after its restores (the restart-loop guard)."""
 
     # fp32/bf16, a step whose gradient norm is NaN or inf: "stop" the run (exit 5, one line naming the step, the
     # ranks and the tensors; the checkpoints end at the step before) or "skip_step" (nothing applied, the diff
@@ -310,6 +311,12 @@ class ReliabilityConfig:
     # applied steps, runs its forward and backward again before anything is applied; a different result is a
     # transient fault (silent data corruption): the second is used, and the event logged. 0: only non-finite.
     spike_factor: float = 10.0
+    # The restart-loop guard (megatier.checkpoint.recover.loops): a launch that fails within loop_window steps
+    # of the point it restored, loop_limit times in a row without getting further, makes the next restore take
+    # an older point (the previous base, then the newest Tier-3 base); when those loop too, the run stops
+    # (exit 6). loop_limit=0 turns the guard off.
+    loop_window: int = 10
+    loop_limit: int = 2
 
 
 @dataclass

@@ -108,6 +108,8 @@ def _validate_reliability(r: ReliabilityConfig, precision: str, o: OptimConfig) 
                                                          f"or above 1")
     _require(r.max_consecutive_skips >= 1, f"reliability.max_consecutive_skips={r.max_consecutive_skips} must be "
                                            f">= 1")
+    _require(r.loop_window >= 0, f"reliability.loop_window={r.loop_window} must be >= 0 (steps after a restore)")
+    _require(r.loop_limit >= 0, f"reliability.loop_limit={r.loop_limit} must be >= 0 (0 turns the guard off)")
 
 
 def _validate_optim(o: OptimConfig) -> None:

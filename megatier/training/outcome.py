@@ -11,6 +11,8 @@ Exit statuses (docs/operations.md):
     5    stopped as diverged: a step's gradient was not finite (reliability.on_nonfinite=stop), too many steps
          in a row were skipped, or the state about to be checkpointed held NaN or inf; the checkpoints end at the
          last finite state
+    6    stopped in a restore loop: the job failed right after every point it could restore (the previous base
+         and Tier-3's included; reliability.loop_window, loop_limit); relaunching repeats it
     130  interrupted (Ctrl-C); relaunch the same command to resume
 
 Anything else is a failure, with its traceback. A refusal is raised on every rank the same way; only global
@@ -25,11 +27,13 @@ from typing import Optional
 from megatier.checkpoint.commit.lease import LeaseHeld
 from megatier.checkpoint.format.finite import NonFiniteState
 from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
+from megatier.checkpoint.recover.loops import RestoreLoop
 from megatier.config import ConfigError
 from megatier.interop.hf_files import HFFormatError
 from megatier.training.nonfinite import NonFiniteStep
 
 EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_DIVERGED = 0, 2, 3, 4, 5
+EXIT_RESTORE_LOOP = 6
 EXIT_INTERRUPTED = 130
 # What stops a run as diverged (exit 5): a non-finite step, or a non-finite state about to be checkpointed.
 DIVERGED = (NonFiniteStep, NonFiniteState)
@@ -53,6 +57,8 @@ def refusal(error: BaseException) -> Optional[tuple[int, str]]:
         return EXIT_CONFIG, f"config error: model.init_from: {error}"
     if isinstance(error, (ConfigRefusal, LeaseHeld)):
         return EXIT_CONFIG, str(error)
+    if isinstance(error, RestoreLoop):
+        return EXIT_RESTORE_LOOP, str(error)
     if isinstance(error, RecoveryError):
         return EXIT_RECOVERY_REFUSED, str(error)
     return None
@@ -65,7 +71,7 @@ def diverged(trainer, error: BaseException) -> int:
     resume = ""
     if trainer is not None and isinstance(error, NonFiniteStep):
         try:
-            summary = trainer.close()
+            summary = trainer.close(failed=True)
             resume = f"; checkpoints are durable at step {summary['step']}" if trainer.checkpointer else ""
         except NonFiniteState as state:  # the last state itself is not finite: not checkpointed either
             resume = f"; and {state}"

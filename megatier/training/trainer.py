@@ -27,6 +27,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
+from megatier.checkpoint.context import LoopRule
 from megatier.checkpoint.policy.rules import check_checkpoint_config, effective_checkpoint_config
 from megatier.config import Config, ConfigError, validate
 from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
@@ -182,7 +183,9 @@ class Trainer:
             return factory(state)
         if not self.cfg.checkpoint.enabled:
             return None
-        return build_checkpointer(self.cfg.checkpoint, state, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault)
+        r = self.cfg.reliability
+        return build_checkpointer(self.cfg.checkpoint, state, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault,
+                                  loops=LoopRule(r.loop_window, r.loop_limit))
 
     def _build_logger(self):
         if self.ps.rank != 0:
@@ -385,10 +388,11 @@ class Trainer:
         return gathered_canonical_digest(ShardState(ps.tp_rank, ps.tp, o.shard_segments, tensors),
                                          ps.checkpoint_group)
 
-    def close(self) -> dict:
-        """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups."""
+    def close(self, *, failed: bool = False) -> dict:
+        """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups; ``failed``:
+        the launch ends on a failure it found itself (a diverged step)."""
         start = time.perf_counter()
-        status = self.checkpointer.close() if self.checkpointer is not None else None
+        status = self.checkpointer.close(failed=failed) if self.checkpointer is not None else None
         drain_s = time.perf_counter() - start
         digest = self.state_digest()
         summary = {"step": self.step, "event": "summary", "state_digest": digest,

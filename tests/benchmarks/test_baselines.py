@@ -40,8 +40,8 @@ class Recorder:
             self.states[step]["adam_steps"] = self.trainer.optimizer.adam_steps
         return out
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, *, failed: bool = False) -> None:
+        self.inner.close(failed=failed)
 
 
 def _train(tiny_config, make):

@@ -61,6 +61,11 @@ class Inventory:
         return {i: fp for ls in self.listings.values() for listing in ls for i, fp in listing.fingerprints.items()}
 
     @property
+    def histories(self) -> list[list[dict]]:
+        """The restore history each lister's listing holds (megatier.checkpoint.recover.loops)."""
+        return [listing.restores for ls in self.listings.values() for listing in ls if listing.restores]
+
+    @property
     def notes(self) -> list[str]:
         return [n for ls in self.listings.values() for listing in ls for n in listing.notes]
 

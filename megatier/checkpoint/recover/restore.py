@@ -19,6 +19,10 @@ every copy found bad (an older base or a shorter chain may still be complete
 everywhere), and the rounds start over from the new base; if none is left,
 every rank raises RecoveryError.
 
+Before the consensus, the restart-loop guard (:mod:`.loops`) reads the job's restore history from the
+inventory: a job that keeps failing right after its restores takes an older point, or stops (exit 6). The
+restore's entry is added to the history on every tier after cleanup.
+
 Then cleanup, so later saves never mix with stale units: whoever lists a tier
 (each node's server for node memory, rank 0 for Tier-3) has it discard
 leftovers of crashed writes and units beyond E (:meth:`Tier.discard_after`).
@@ -43,6 +47,16 @@ from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
 from megatier.checkpoint.recover.checkfree import rebuild
 from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
 from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, last_step, raise_fatal, take_inventory
+from megatier.checkpoint.recover.loops import (
+    Fallback,
+    RestoreLoop,
+    appended,
+    newest,
+    plan,
+    stop_line,
+    trailing_loops,
+    with_failure,
+)
 from megatier.checkpoint.recover.record import recovery_record
 from megatier.checkpoint.recover.reshard import Rebuilder, assign, describe, exchange, reshard_label
 from megatier.checkpoint.shard import ShardAccess
@@ -61,6 +75,8 @@ class RecoveryResult:
     end: int
     record: dict
     adopted: dict = field(default_factory=dict)  # followed fingerprint keys -> the job's recorded values
+    history: list[dict] = field(default_factory=list)  # the job's restore history, this restore's entry last
+    keeps_history: list = field(default_factory=list)  # the tiers this rank keeps it on (those it lists)
 
 
 def _apply(ctx: CheckpointContext, target, pid: Optional[PayloadId], obj: Any, upto: int) -> Optional[str]:
@@ -127,15 +143,18 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     return checkfree
 
 
+def _listed_here(ctx: CheckpointContext, inv: Inventory) -> list:
+    """The tiers this rank lists (and cleans, and keeps the restore history on): Tier-3 on rank 0, node memory
+    on its node's server."""
+    return [t for t in ctx.tiers if (0 if t.scope == JOB else inv.servers[ctx.node]) == ctx.rank]
+
+
 def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> tuple[list[str], list[str]]:
     """Each tier's lister quarantines the units whose copies there failed their checks, and discards what could
     mix with the resumed run: units after E and leftovers. Returns (discarded, quarantined)."""
     gone: list[str] = []
     quarantined: list[str] = []
-    for tier in ctx.tiers:
-        lister = 0 if tier.scope == JOB else inv.servers[ctx.node]
-        if lister != ctx.rank:
-            continue
+    for tier in _listed_here(ctx, inv):
         for pid in sorted({c.pid for c in corrupt if c.tier == tier.label}):
             reasons = sorted(f"rank {c.owner}" for c in corrupt if c.tier == tier.label and c.pid == pid)
             if tier.quarantine(pid, f"{pid} failed its checksum at restore ({', '.join(reasons)})") is not None:
@@ -144,16 +163,43 @@ def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> 
     return gone, quarantined
 
 
-def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: bool) -> Optional[Consensus]:
+def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: bool,
+           fallback: Fallback = Fallback()) -> Optional[Consensus]:
     config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes),
                          ctx.followed)
-    return decide([c for c in inv.copies if c not in bad], job_id=ctx.job_id, degrees=ctx.layout.degrees,
-                  traces=inv.traces, allow_fresh_start=allow_fresh_start,
-                  looked=inv.looked(), config=config, last_resort=ctx.cfg.last_resort)
+    return decide([c for c in fallback.usable(inv.copies) if c not in bad], job_id=ctx.job_id,
+                  degrees=ctx.layout.degrees, traces=inv.traces, allow_fresh_start=allow_fresh_start and
+                  not fallback.level, looked=inv.looked(), config=config, last_resort=ctx.cfg.last_resort)
+
+
+def _reached(inv: Inventory) -> Optional[int]:
+    """The newest step the job reached before this restore: the progress keys, or the newest unit anywhere."""
+    steps = [s for s in (last_step(inv), max((c.pid.last for c in inv.copies), default=None)) if s is not None]
+    return max(steps, default=None)
+
+
+def _guarded_agree(ctx: CheckpointContext, inv: Inventory, history: list[dict],
+                   allow_fresh_start: bool) -> tuple[Optional[Consensus], Fallback]:
+    """The consensus at the point the restart-loop guard allows (:mod:`.loops`); RestoreLoop when none is left."""
+    rule = ctx.loops
+    fallback = plan(history, rule.window, rule.limit)
+    if not fallback.level:
+        return _agree(ctx, inv, set(), allow_fresh_start), fallback
+    loops = trailing_loops(history, rule.window)
+    try:
+        consensus = _agree(ctx, inv, set(), False, fallback)
+    except RecoveryError as e:
+        raise RestoreLoop(stop_line(loops, rule.window, rule.limit,
+                                    f"{fallback.describe()} is not complete in any tier ({e})")) from None
+    if ctx.rank == 0:
+        log.warning("restore loop: the job failed within reliability.loop_window=%d steps of its last %d restores "
+                    "(at step %d each time); restoring %s: v%d on its own, the steps after it are trained again",
+                    rule.window, len(loops), loops[-1]["reached"], fallback.describe(), consensus.version)
+    return consensus, fallback
 
 
 def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, inv: Inventory,
-                           timings: list[float]) -> Optional[dict]:
+                           timings: list[float], fallback: Fallback) -> Optional[dict]:
     """Fetch and replay; when a rank runs out of good copies, agree again without the bad ones (a stage whose
     every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record, if any."""
     while True:
@@ -163,7 +209,7 @@ def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: 
             if ctx.rank == 0:
                 log.warning("%s; taking the consensus again without the %d bad copies", e, len(fetcher.ledger.bad))
             try:  # never a fresh start here: the shard is already partly overwritten
-                fetcher.consensus = _agree(ctx, inv, fetcher.ledger.bad, False)
+                fetcher.consensus = _agree(ctx, inv, fetcher.ledger.bad, False, fallback)
             except RecoveryError as again:
                 raise RecoveryError(f"{e}, and without the bad copies: {again}; bad copies: "
                                     f"{fetcher.ledger.fallbacks}") from None
@@ -174,7 +220,8 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     """Recover the newest state every rank can reach, or None for a fresh start; collective over all ranks."""
     t0 = time.perf_counter()
     inv = take_inventory(ctx.comm, ctx.tiers, ctx.node)
-    consensus = _agree(ctx, inv, set(), allow_fresh_start)
+    history = with_failure(newest(inv.histories), _reached(inv))
+    consensus, fallback = _guarded_agree(ctx, inv, history, allow_fresh_start)
     if consensus is None:
         if ctx.rank == 0:
             log.info("no checkpoint of job %r to recover; starting fresh (looked in %s)", ctx.job_id, inv.looked())
@@ -184,7 +231,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     fetcher = Fetcher(ctx.comm, reader, consensus, inv)
     fetcher.ledger.fallbacks.extend(inv.notes)
     timings = [0.0, 0.0]
-    checkfree = _replay_with_fallbacks(ctx, shard, fetcher, inv, timings)
+    checkfree = _replay_with_fallbacks(ctx, shard, fetcher, inv, timings, fallback)
     consensus = fetcher.consensus
     try:
         (deleted, quarantined), fatal = _cleanup(ctx, inv, consensus.end, fetcher.ledger.corrupt), None
@@ -214,4 +261,9 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     adopted = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, follow=ctx.followed
                           ).followed_values(consensus)
     record["adopted"] = adopted
-    return RecoveryResult(consensus.version, consensus.end, record, adopted)
+    record["fallback"] = fallback.describe() if fallback.level else None
+    history = appended(history, version=consensus.version, end=consensus.end, level=fallback.level)
+    keepers = _listed_here(ctx, inv)
+    for tier in keepers:
+        tier.record_restores(history)
+    return RecoveryResult(consensus.version, consensus.end, record, adopted, history, keepers)

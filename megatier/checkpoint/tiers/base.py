@@ -95,6 +95,7 @@ class Listing:
     progress: dict[int, int] = field(default_factory=dict)  # rank -> newest step it reached (Tier-1)
     fingerprints: dict[str, dict] = field(default_factory=dict)  # fingerprint id -> the config keys it names
     notes: list[str] = field(default_factory=list)  # unreadable entries, for the recovery record
+    restores: list[dict] = field(default_factory=list)  # the job's restore history (recover.loops)
 
 
 class Tier(abc.ABC):
@@ -142,6 +143,10 @@ class Tier(abc.ABC):
 
     def record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
         """Keep the run's config fingerprint by its id, so a later restore can name what changed."""
+
+    def record_restores(self, history: list[dict]) -> None:
+        """Keep the job's restore history (:mod:`megatier.checkpoint.recover.loops`); called on the rank that
+        lists this tier, best effort (a tier that cannot keep it logs why)."""
 
     def on_step(self, step: int) -> float:
         """The loop's tick after step ``step`` (after a lockstep tier's puts of that step); returns the

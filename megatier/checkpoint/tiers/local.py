@@ -15,6 +15,7 @@ degraded, and it is tried again with the next unit.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Optional, Sequence
 
@@ -27,6 +28,8 @@ from megatier.checkpoint.storage.store import ObjectNotFound, StoreError
 from megatier.checkpoint.tiers.base import NODE, TIER1, Copy, Listing, Tier
 from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.faults import FaultHook, no_faults
+
+log = logging.getLogger(__name__)
 
 
 def list_area(memory: NodeMemory, label: str, *, replica: bool) -> Listing:
@@ -125,6 +128,7 @@ class LocalTier(Tier):
         listing = list_area(self.memory, self.label, replica=False)
         listing.progress = self.memory.read_progress()
         listing.fingerprints = self.memory.read_fingerprints()
+        listing.restores = self.memory.read_restores()
         listing.traces = listing.traces or bool(listing.progress) or bool(self.other_names)
         return listing
 
@@ -156,6 +160,12 @@ class LocalTier(Tier):
     def record_config(self, fingerprint_id: str, fingerprint: dict) -> None:
         if fingerprint_id:
             self.memory.write_fingerprint(fingerprint_id, fingerprint)
+
+    def record_restores(self, history: list[dict]) -> None:
+        try:
+            self.memory.write_restores(history)
+        except (StoreError, OSError) as e:
+            log.warning("%s cannot keep the restore history: %s", self.where(), e)
 
     def on_step(self, step: int) -> float:
         try:

@@ -16,6 +16,7 @@ Layout under ``<local.root>/<job_id>/<node>/`` (files on /dev/shm by default)::
     progress/rank00003                                  the newest step rank 3 reached (steps lost)
     spare/own/rank00003/<hex>.spare                     a deleted unit's file, to be written over (:mod:`.spare`)
     fingerprints/<id>.json                              a config fingerprint the units' stamps name
+    restores.json                                       the job's restore history (the restart-loop guard)
 
 Invariants:
 - A payload is complete exactly when its stamp exists. The data file is written
@@ -67,9 +68,27 @@ def read_fingerprints(store, prefix: str) -> dict[str, dict]:
             log.warning("ignoring config fingerprint %s: %s", store.describe(key), e)
     return out
 
+def read_history(store, key: str) -> list[dict]:
+    """The job's restore history (megatier.checkpoint.recover.loops) kept at ``key``; [] if there is none or it
+    cannot be read (logged: the guard then counts from the next restore)."""
+    try:
+        history = json.loads(store.get(key))
+    except ObjectNotFound:
+        return []
+    except (StoreError, ValueError) as e:
+        log.warning("ignoring the restore history %s: %s", store.describe(key), e)
+        return []
+    return history if isinstance(history, list) else []
+
+
+def write_history(store, key: str, history: list[dict]) -> None:
+    store.put(key, json.dumps(history, sort_keys=True).encode())
+
+
 _DATA, _STAMP = ".safetensors", ".json"
 _PROGRESS = "progress/"
 _FINGERPRINTS = "fingerprints/"
+_RESTORES = "restores.json"
 
 
 def _area(owner_rank: int, replica: bool) -> str:
@@ -319,6 +338,12 @@ class NodeMemory:
     def read_fingerprints(self) -> dict[str, dict]:
         """Fingerprint id -> fingerprint, for every one recorded here (unreadable ones are skipped)."""
         return read_fingerprints(self.store, _FINGERPRINTS)
+
+    def write_restores(self, history: list[dict]) -> None:
+        write_history(self.store, _RESTORES, history)
+
+    def read_restores(self) -> list[dict]:
+        return read_history(self.store, _RESTORES)
 
     def bytes_held(self) -> int:
         """Bytes of every file in this node's area (own and replicas, complete or not, and spare files)."""

@@ -44,7 +44,7 @@ from megatier.checkpoint.storage.s3 import S3Store
 from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import JOB, TIER3, Copy, Listing, Tier
-from megatier.checkpoint.tiers.node_memory import read_fingerprints
+from megatier.checkpoint.tiers.node_memory import read_fingerprints, read_history, write_history
 from megatier.faults import FaultHook, no_faults
 
 log = logging.getLogger(__name__)
@@ -71,13 +71,15 @@ def open_remote_store(url: str, job_id: str, *, endpoint_url: Optional[str] = No
 
 
 FINGERPRINTS = "_fingerprints/"
+RESTORES = "_restores.json"
 
 
 def list_committed(store: ObjectStore, label: str = TIER3) -> Listing:
     """Every rank's copy of every committed unit, and the recorded config fingerprints; unreadable commit
     records are noted and skipped."""
     units = list_units(store)
-    listing = Listing(traces=bool(units), fingerprints=read_fingerprints(store, FINGERPRINTS))
+    listing = Listing(traces=bool(units), fingerprints=read_fingerprints(store, FINGERPRINTS),
+                      restores=read_history(store, RESTORES))
     for pid, unit in sorted(units.items(), key=lambda kv: (kv[0].last, kv[0].kind)):
         if not unit.committed:
             continue
@@ -212,6 +214,15 @@ class RemoteTier(Tier):
             self.store.put(f"{FINGERPRINTS}{fingerprint_id}.json", json.dumps(fingerprint, sort_keys=True).encode())
         except StoreError as e:
             log.warning("could not record the config fingerprint on Tier-3 (%s): %s", self.store.url, e)
+
+    def record_restores(self, history: list[dict]) -> None:
+        """Rank 0 keeps the history on Tier-3 too, so that it survives every node; not while Tier-3 is offline."""
+        if not self.lists or not self._ready:
+            return
+        try:
+            write_history(self.store, RESTORES, history)
+        except StoreError as e:
+            log.warning("could not keep the restore history on Tier-3 (%s): %s", self.store.url, e)
 
     def point(self) -> Optional[int]:
         """The rack recovery point (known on rank 0), asked at each watermark sync; stops the run if another

@@ -81,8 +81,8 @@ class _Watched:
                     replica=True, owner_rank=self.owner)))
         return out
 
-    def close(self) -> None:
-        self.manager.close()
+    def close(self, *, failed: bool = False) -> None:
+        self.manager.close(failed=failed)
 
 
 def _train_and_inspect(rank: int, cfg: Config, watch_every: int, flaky_writes: int = 0) -> dict:

@@ -47,6 +47,7 @@ class MemoryTier(Tier):
         self.ticks: list[int] = []
         self.watermarks: list[int] = []
         self.started = self.closed = False
+        self.restores: list[dict] = []  # the job's restore history, as the real tiers keep it
 
     def put(self, payload: EncodedPayload) -> None:
         pid = payload.stamp.pid
@@ -58,7 +59,10 @@ class MemoryTier(Tier):
 
     def list(self) -> Listing:
         copies = [Copy(p.stamp, self.label, self.node) for p in self.units.values()]
-        return Listing(copies=copies, traces=bool(self.units))
+        return Listing(copies=copies, traces=bool(self.units), restores=list(self.restores))
+
+    def record_restores(self, history: list[dict]) -> None:
+        self.restores = [dict(e) for e in history]
 
     def read(self, copy: Copy) -> EncodedPayload:
         payload = self.units.get((copy.owner, copy.pid))

@@ -36,8 +36,8 @@ class Watch:
         self.records.append(out)
         return out
 
-    def close(self):
-        return self.manager.close()
+    def close(self, *, failed: bool = False):
+        return self.manager.close(failed=failed)
 
 
 def test_a_tier3_outage_keeps_training_and_node_memory_bounded_then_catches_up(tiny_config, tmp_path):

@@ -30,8 +30,8 @@ class Weather:
         self.records.append({"step": step, **out})
         return out
 
-    def close(self):
-        return self.manager.close()
+    def close(self, *, failed: bool = False):
+        return self.manager.close(failed=failed)
 
 
 def _trainer(cfg, before) -> Trainer:

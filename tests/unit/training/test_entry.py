@@ -154,3 +154,22 @@ def test_a_diverging_run_stops_in_one_line_with_exit_5_and_its_last_finite_step_
     assert "step 2: the gradient is not finite" in again.stdout  # skipped, logged, nothing applied
     assert again.stderr.strip().endswith("the run diverged after step 1; lower optim.lr or optim.clip_grad and "
                                          "relaunch; checkpoints are durable at step 4")
+
+
+def test_a_job_that_diverges_after_every_restore_stops_with_exit_6_instead_of_looping(tmp_path, corpus_prefix):
+    """The run diverges at step 2 whatever it restores: the relaunch restores step 1 and diverges again, the
+    next takes the base before it (step 0) on its own and diverges again, and with no Tier-3 base older than
+    that the launch after stops in one line with exit 6 instead of restoring into the loop once more."""
+    args = _common(tmp_path, corpus_prefix) + ["train.iters=30", "optim.lr=1e4", "optim.min_lr=1e4",
+                                               "optim.warmup_iters=0", "optim.clip_grad=0",
+                                               "reliability.loop_limit=1"]
+    assert _train(args).returncode == 5  # a fresh start: not a restore, not counted
+    assert _train(args).returncode == 5  # restored step 1, diverged at step 2: one loop
+    fallback = _train(args)
+    assert fallback.returncode == 5 and "restore loop" in fallback.stderr + fallback.stdout
+    assert "recovered v0 -> E=0" in fallback.stdout  # the previous base on its own; step 1 trained again
+    stopped = _train(args)
+    assert stopped.returncode == 6, stopped.stderr[-2000:]
+    (line,) = [s for s in stopped.stderr.splitlines() if s.startswith("restore loop: ")]
+    assert "(v1->E=1 (failed after step 1), v0->E=0 (failed after step 1))" in line and "step 2 itself" in line
+    assert "Traceback" not in stopped.stderr

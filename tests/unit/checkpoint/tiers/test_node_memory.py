@@ -260,3 +260,13 @@ def test_spares_are_bounded_swept_with_their_area_and_released(tmp_path):
     assert files == [True, True, False] and len(pool) == 2 and pool.nbytes == 201
     assert pool.take(1000) is None and pool.take(20) is None  # only within a factor two of the size
     assert os.path.getsize(pool.take(101)) == 101 and os.path.getsize(pool.take(150)) == 100
+
+
+def test_the_restore_history_round_trips_and_an_unreadable_one_is_none(tmp_path):
+    memory = NodeMemory(str(tmp_path), "job", "node0")
+    assert memory.read_restores() == []
+    history = [{"n": 2, "version": 20, "end": 20, "mark": 25, "level": 1, "reached": 25, "clean": True}]
+    memory.write_restores(history)
+    assert memory.read_restores() == history
+    memory.store.put("restores.json", b"\x00garbage")
+    assert memory.read_restores() == []

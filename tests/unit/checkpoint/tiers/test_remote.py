@@ -121,3 +121,16 @@ def test_an_offline_start_stops_when_another_live_run_holds_the_lease_once_tier3
     tier.drain(1, 1.0)
     tier.close(1.0)
     other.release()
+
+
+def test_the_restore_history_is_kept_on_tier3_and_listed_with_its_units(tmp_path):
+    store = DirectoryStore(str(tmp_path / "t3"), fsync=False)
+    tier = RemoteTier(store, job_id="job1", rank=0, world_size=1, incarnation="a", keep_bases=2)
+    tier.start()
+    history = [{"n": 1, "version": 10, "end": 12, "mark": 12, "level": 0, "reached": None, "clean": False}]
+    tier.record_restores(history)
+    assert list_committed(store).restores == history
+    store.put("_restores.json", b"{not json")  # an unreadable history is no history, never a refusal
+    assert list_committed(store).restores == []
+    tier.drain(1, 5.0)
+    tier.close(5.0)
