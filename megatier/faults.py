@@ -12,6 +12,10 @@ be reached and ``train.step_end`` as a backstop. Code calls a
 :data:`FaultHook` at each point (a :class:`FaultInjector`, or :func:`no_faults`
 in code paths built without one); when nothing is armed that is one
 comparison.
+
+Transient faults for the reliability drills, each firing once in a launch: ``MEGATIER_FLIP_AT=<step>[:<rank>]``
+flips a bit of an activation (:class:`ActivationFlip`), ``MEGATIER_GRAD_NAN_AT=<step>[:<rank>]`` plants a NaN
+into the local gradient (:class:`GradientNaN`).
 """
 from __future__ import annotations
 
@@ -38,6 +42,9 @@ class CrashPoint(str, enum.Enum):
     T3_AFTER_COMMIT = "t3.after_commit_before_watermark"  # committed on Tier-3, the watermark not yet advanced
     GC_MID_DELETE = "gc.mid_delete"  # reclamation interrupted between two deletions
     REPLAY_MID_BATCH = "replay.mid_batch"  # recovery killed while replaying the diff chain
+    # The training process dies as step S begins, nothing of it applied: a step that crashes whenever it is
+    # reached (the restart-loop guard must not restore into it forever).
+    TRAIN_STEP_BEGIN = "train.step_begin"
     # The training process dies after step S and its checkpoint hand-off: how the drill kills a node at S.
     TRAIN_STEP_END = "train.step_end"
 
@@ -117,6 +124,21 @@ class FaultInjector:
 
 
 FLIP_ENV = "MEGATIER_FLIP_AT"
+GRAD_NAN_ENV = "MEGATIER_GRAD_NAN_AT"
+
+
+def _armed_step(env: str, rank: int, environ: Optional[dict]) -> Optional[int]:
+    """The step ``<step>[:<rank>]`` in ``env`` arms on ``rank`` (every rank when none is given), or None."""
+    spec = (environ if environ is not None else os.environ).get(env, "").strip()
+    if not spec:
+        return None
+    try:
+        parts = [int(p) for p in spec.split(":")]
+        if len(parts) not in (1, 2):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"{env}={spec!r} is not <step>[:<rank>]; fix or unset it") from None
+    return parts[0] if len(parts) == 1 or parts[1] == rank else None
 
 
 @dataclass
@@ -132,16 +154,7 @@ class ActivationFlip:
 
     @classmethod
     def from_env(cls, rank: int, environ: Optional[dict] = None) -> "ActivationFlip":
-        spec = (environ if environ is not None else os.environ).get(FLIP_ENV, "").strip()
-        if not spec:
-            return cls()
-        try:
-            parts = [int(p) for p in spec.split(":")]
-            if len(parts) not in (1, 2):
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"{FLIP_ENV}={spec!r} is not <step>[:<rank>]; fix or unset it") from None
-        return cls(parts[0] if len(parts) == 1 or parts[1] == rank else None)
+        return cls(_armed_step(FLIP_ENV, rank, environ))
 
     def install(self, module) -> None:
         """Hook ``module`` (a torch module whose output is a float tensor) when armed."""
@@ -160,3 +173,25 @@ class ActivationFlip:
         flipped.view(-1)[:1].view(torch.int32).bitwise_xor_(1 << 30)
         sys.stderr.write(f"[megatier] {FLIP_ENV}: flipped a bit of an activation at step {self.step}\n")
         return output + (flipped - output.detach())  # the flipped values; gradients pass as they would
+
+
+@dataclass
+class GradientNaN:
+    """A transient fault for reliability drills, armed by ``MEGATIER_GRAD_NAN_AT=<step>[:<rank>]``: after the
+    first backward pass of ``step`` on ``rank`` (every rank when not given), one element of the rank's local
+    gradient becomes NaN, once. The step's second run is clean; a NaN must never reach a checkpoint."""
+
+    step: Optional[int] = None
+    fired: bool = False
+
+    @classmethod
+    def from_env(cls, rank: int, environ: Optional[dict] = None) -> "GradientNaN":
+        return cls(_armed_step(GRAD_NAN_ENV, rank, environ))
+
+    def plant(self, step: int, grad: torch.Tensor) -> None:
+        """Poison ``grad`` (this rank's local gradient of ``step``, before its reduction) when armed for it."""
+        if self.fired or step != self.step:
+            return
+        self.fired = True
+        grad.view(-1)[:1].fill_(float("nan"))
+        sys.stderr.write(f"[megatier] {GRAD_NAN_ENV}: planted a NaN into the gradient at step {step}\n")

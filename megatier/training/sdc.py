@@ -44,7 +44,7 @@ class SpikeCheck:
 
     def suspicious(self, loss: float, sumsq: float) -> Optional[str]:
         """Why the step with this global loss and squared gradient norm should run again, or None."""
-        norm = math.sqrt(sumsq) if math.isfinite(sumsq) and sumsq >= 0 else math.inf
+        norm = math.sqrt(sumsq) if sumsq >= 0 else math.nan  # NaN stays NaN, inf stays inf
         if not (math.isfinite(loss) and math.isfinite(norm)):
             return None if self.loss_scaled else f"loss {loss}, gradient norm {norm}"
         if self.factor <= 0 or len(self.losses) < MIN_HISTORY:

@@ -34,7 +34,7 @@ from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_f
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
-from megatier.faults import ActivationFlip, CrashPoint, FaultInjector
+from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, GradientNaN
 from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
 from megatier.model.params import stage_spec
@@ -103,7 +103,8 @@ class Trainer:
         self.logger = self._build_logger()
         self.goodput = self._build_ledger(started)
         self.fault = FaultInjector.from_env(self.ps.rank)
-        self.flip = ActivationFlip.from_env(self.ps.rank)  # a transient fault for drills (megatier.training.sdc)
+        # Transient faults for drills (megatier.training.sdc): a flipped activation bit, a NaN in the gradient.
+        self.flip, self.grad_nan = ActivationFlip.from_env(self.ps.rank), GradientNaN.from_env(self.ps.rank)
         for block in list(self.model.layers.values())[:1]:
             self.flip.install(block)
         self.checkpointer = self._build_checkpointer(checkpointer)
@@ -289,6 +290,7 @@ class Trainer:
         self.grads.zero()
         scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
         local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
+        self.grad_nan.plant(step, self.grads.flat)
         self._sync_copies()
         return local_loss, self.optimizer.reduce()
 
@@ -298,7 +300,10 @@ class Trainer:
         first = tuple(t.detach().clone() for t in first)
         local_loss, reduced = self._gradient(step)
         loss, _ = self._global_loss(local_loss)
-        ranks = ranks_that_differ(first, (local_loss, reduced.grad), self.ps.world_group, self.device)
+        # The ranks whose own loss changed (an activation fault names its rank), else whose gradient did.
+        group = self.ps.world_group
+        ranks = ranks_that_differ(first[:1], (local_loss,), group, self.device) or \
+            ranks_that_differ(first[1:], (reduced.grad,), group, self.device)
         if self.ps.rank == 0:
             if ranks:
                 log.warning("step %d: %s; run again it gave another result on rank(s) %s: a transient fault "
@@ -355,6 +360,7 @@ class Trainer:
             self.already_finished = self.step >= t.iters > 0
         while self.step < t.iters and self.interrupted_at is None:
             step = self.step + 1
+            self.fault(CrashPoint.TRAIN_STEP_BEGIN, step)
             record = self.train_step(step)
             self.step = step
             if self.checkpointer is not None:

@@ -1,4 +1,5 @@
-"""The fault campaign, short form: eight kinds of fault through one job, which must end bit-identical."""
+"""The fault campaign, short forms: eight kinds of fault through one job, and the four reliability faults
+through another; each job must end bit-identical to its fault-free run."""
 from __future__ import annotations
 
 import subprocess
@@ -13,12 +14,14 @@ from tools.chaos.s3_proxy import FaultRule
 pytestmark = pytest.mark.timeout(420)
 
 SHORT = "crash t1.mid_write,crash replay.mid_batch,node,rack,t1 truncate,t3 flip,s3 resets,stale area"
+RELIABILITY = "nan base,grad nan,activation flip,crash after restore"
 
 
 def test_the_catalogue_covers_every_fault_class_the_campaign_promises():
     assert len(CATALOGUE) >= 20
     for needed in ("node", "rack", "hang", "t1 flip", "t2 flip", "t3 flip", "t3 truncate", "s3 slowdown",
-                   "s3 500 one rank", "s3 resets", "s3 full", "t1 full", "stale area", "lease"):
+                   "s3 500 one rank", "s3 resets", "s3 full", "t1 full", "stale area", "lease",
+                   *RELIABILITY.split(",")):
         assert needed in CATALOGUE, needed
     with pytest.raises(ValueError, match="use one of"):
         FaultRule("teapot")
@@ -32,3 +35,16 @@ def test_a_short_campaign_survives_every_fault_bit_exactly(tmp_path):
     assert proc.returncode == 0, report[-4000:] + proc.stderr[-3000:]
     assert "8/8 faults recovered as required" in report and "bit-identical" in report
     assert "RESULT: every fault survived or reported" in report
+
+
+def test_the_reliability_faults_are_caught_or_fallen_back_from_and_the_job_ends_bit_identical(tmp_path):
+    """A NaN base under a valid checksum (another copy serves), a NaN gradient and a flipped activation bit (the
+    step's rerun catches them), a step that crashes whenever it is reached in two launches in a row (the next
+    launch falls back to the previous base and trains the steps after it again)."""
+    cmd = [sys.executable, str(REPO / "tools" / "chaos" / "campaign.py"), "--faults", "4", "--seed", "3",
+           "--types", RELIABILITY, "--work-dir", str(tmp_path / "campaign")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    report = proc.stdout
+    assert proc.returncode == 0, report[-4000:] + proc.stderr[-3000:]
+    assert "4/4 faults recovered as required" in report and "bit-identical" in report
+    assert report.count("a transient fault on rank(s)") == 2

@@ -45,6 +45,7 @@ from megatier.drill.job import first_error, make_job, read_metrics, trainer_comm
 from tools.chaos.catalogue import CATALOGUE, Damage, FaultType  # noqa: E402
 from tools.chaos.s3_proxy import S3FaultProxy  # noqa: E402
 
+LOOP_LIMIT = 2  # reliability.loop_limit's default: a recurring crash strikes this many launches
 BASE_OVERRIDES = ["model=tiny", "train.micro_batch_size=2", "checkpoint.base_interval=10",
                   "checkpoint.diff.compression=fp32", "parallel.timeout_s=20", "checkpoint.remote.lease_s=5",
                   "checkpoint.remote.drain_timeout_s=20", "optim.decay_iters=1000", "train.eval_interval=1000000"]
@@ -182,7 +183,13 @@ class Campaign:
         if f.hang:  # one process stops itself; its peers must fail on their timeout (the carrier is a backstop)
             armed = {i: [f"train.step_end:{event.step + 40}"] for i in range(self.nodes)}
             armed[event.victim].insert(0, f"train.step_end:{event.step}:stop")
-        return {i: {"MEGATIER_CRASH_AT": ",".join(a)} for i, a in armed.items() if a}
+        if f.recurring:  # the step dies as it begins, on every node, whatever point the launch restored
+            for i in range(self.nodes):
+                armed[i].insert(0, f"train.step_begin:{event.step}")
+        env = {i: {"MEGATIER_CRASH_AT": ",".join(a)} for i, a in armed.items() if a}
+        if f.transient:  # two steps before the carrier, on the victim node's first rank
+            env.setdefault(event.victim, {})[f.transient] = f"{event.step - 2}:{event.victim * self.procs}"
+        return env
 
     def _damage(self, event: Event) -> None:
         if event.fault.damage is None:
@@ -202,9 +209,13 @@ class Campaign:
         self._damage(event)
         second = self._lease_conflict(event) if f.lease_conflict else None
         t0 = time.monotonic()
-        event.launch_exit = self._launch(f"launch{event.index}", env=self._env(event),
-                                         file_limit={event.victim: f.file_limit} if f.file_limit else {},
-                                         s3_rule=f.s3(event.victim * self.procs) if f.s3 is not None else None)
+        for again in range(LOOP_LIMIT if f.recurring else 1):  # a recurring crash strikes launch after launch
+            event.launch_exit = self._launch(f"launch{event.index}" + (f"-{again}" if again else ""),
+                                             env=self._env(event),
+                                             file_limit={event.victim: f.file_limit} if f.file_limit else {},
+                                             s3_rule=f.s3(event.victim * self.procs) if f.s3 is not None else None)
+            if again == 0:
+                self._check_transient(event)
         event.launch_s = time.monotonic() - t0
         self.proxy.clear()
         if second is not None:
@@ -219,13 +230,26 @@ class Campaign:
             self._wipe(event)
         self._check_committed(event)
 
+    def _check_transient(self, event: Event) -> None:
+        """A transient fault must be caught by its step's rerun (and the run go on with the second result)."""
+        if not event.fault.transient:
+            return
+        reruns = [r for r in read_metrics(self.job) if r.get("event") == "rerun"]
+        if any(r["step"] == event.step - 2 and r["transient"] for r in reruns):
+            event.detail = f"step {event.step - 2} rerun: a transient fault on rank(s) {reruns[-1]['ranks']}"
+        else:
+            event.problems.append(f"the transient fault at step {event.step - 2} was not caught (reruns: {reruns})")
+
     def _check_committed(self, event: Event) -> None:
-        """The newest committed base on Tier-3 never goes back, unless this fault destroyed Tier-3 data."""
+        """The newest committed base on Tier-3 never goes back, unless this fault destroyed Tier-3 data or the
+        restart-loop guard took an older point on purpose."""
         from megatier.checkpoint.commit.records import list_units
 
         bases = [p.version for p, u in list_units(self._store()).items() if u.committed and p.kind == "base"]
         newest = max(bases, default=None)
-        if self.newest_committed is not None and (newest is None or newest < self.newest_committed):
+        restored = next((r for r in read_metrics(self.job) if r.get("event") == "recovery"), {})
+        if self.newest_committed is not None and (newest is None or newest < self.newest_committed) \
+                and not restored.get("fallback"):
             if event.fault.damage is None or not event.fault.name.startswith(("t3", "commit")):
                 event.problems.append(f"the newest committed base went back from v{self.newest_committed} to "
                                       f"v{newest}")
@@ -274,6 +298,9 @@ class Campaign:
     def _problems(self, final_status: int, final: dict, reference: dict) -> list[str]:
         problems = [f"fault {e.index} ({e.fault.name}): {p}" for e in self.events for p in e.problems]
         for e in self.events:
+            if e.fault.recurring and e.recovery is not None and not e.recovery.get("fallback"):
+                problems.append(f"fault {e.index} ({e.fault.name}): the launch after it restored the newest point "
+                                f"again instead of falling back (restart-loop guard)")
             if e.recovery is None:
                 problems.append(f"fault {e.index} ({e.fault.name}): no later launch recovered from it; first error "
                                 f"of its launch: {first_error(os.path.join(self.job.work, f'launch{e.index}.log'))}")
@@ -300,6 +327,7 @@ class Campaign:
             lines.append(f"{e.index:>3} {e.fault.name:<34} {e.victim:<5} {e.step:>4} {e.launch_exit!s:>4} "
                          f"{e.reached!s:>7} {ve:>9} {sources:<18} {lost!s:>4} {restore:>9.3f} {e.launch_s:>8.1f}  "
                          f"{detail}")
+        lines += self.by_type()
         survived = sum(1 for e in self.events if e.recovery is not None and not e.problems)
         ours, theirs = final.get("state_digest"), reference.get("state_digest")
         lines.append(f"totals: {survived}/{len(self.events)} faults recovered as required; final step "
@@ -309,6 +337,28 @@ class Campaign:
         lines.append("RESULT: " + ("every fault survived or reported; no committed version lost; no hang"
                                    if not problems else "the campaign found problems"))
         return "\n".join(lines)
+
+
+    def by_type(self) -> list[str]:
+        """One row per fault type: how often it struck, how its recoveries went (mode: a relaunch, or the step's
+        rerun in process for a transient fault; the fallback of the restart-loop guard), steps lost, MiB read from
+        each tier, and the wall time of its launches."""
+        rows = [f"{'fault type':<34} {'count':>5} {'ok':>3} {'mode':<26} {'classes':<22} {'lost':>5} "
+                f"{'MiB t1/t2/t3':>16} {'wall s':>7}"]
+        for name in sorted({e.fault.name for e in self.events}):
+            events = [e for e in self.events if e.fault.name == name]
+            records = [e.recovery for e in events if e.recovery]
+            ok = sum(1 for e in events if e.recovery is not None and not e.problems)
+            modes = ["relaunch" + (", fallback" if any(r.get("fallback") for r in records) else "")]
+            if events[0].fault.transient:
+                modes.insert(0, "rerun")
+            classes = ",".join(sorted({r.get("failure_class") or "-" for r in records})) or "-"
+            lost = [r["steps_lost"] for r in records if r.get("steps_lost") is not None]
+            span = f"{min(lost)}-{max(lost)}" if lost else "-"
+            mib = "/".join(f"{sum(r.get(f'bytes_tier{t}', 0) for r in records) / 2**20:.1f}" for t in (1, 2, 3))
+            rows.append(f"{name:<34} {len(events):>5} {ok:>3} {' + '.join(modes):<26} {classes:<22} {span:>5} "
+                        f"{mib:>16} {sum(e.launch_s for e in events):>7.1f}")
+        return ["by fault type (recoveries are those of the launch after each fault):", *rows]
 
 
 def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:

@@ -4,7 +4,10 @@ A launch runs the job from its recovery point until a *carrier* kills it at a
 chosen step (``train.step_end`` on the victim node, or on every node), so every
 fault is followed by a relaunch that must recover. On top of the carrier a fault
 arms a crash point, damages a tier before the launch, disturbs Tier-3 or a
-process during it, or wipes node memory after it.
+process during it, plants a transient fault into one step (which the step's
+rerun must catch), or wipes node memory after it. A recurring fault crashes
+the same step in ``reliability.loop_limit`` launches in a row: the restart-loop
+guard must take an older point rather than restore into it again.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ class FaultType:
     file_limit: Optional[int] = None  # bytes: the victim node's disk is "full" for larger files
     lease_conflict: bool = False  # a second launch of the job while this one runs
     needs_s3: bool = False
+    transient: Optional[str] = None  # the env var of a one-step transient fault armed on the victim's first rank
+    recurring: bool = False  # the launch's step crashes as it begins, in reliability.loop_limit launches in a row
 
 
 @dataclass
@@ -139,6 +144,32 @@ def stale_area(d: Damage) -> Optional[str]:
     return dest + ".json"
 
 
+def t1_nan_base(d: Damage) -> Optional[str]:
+    """The Megatron-LM 5281 case: a NaN in the master weights of a rank's newest node-memory base, stamped with
+    its own valid checksum, so the copy loads cleanly. Restore must find it poisoned and take another copy."""
+    import dataclasses
+
+    import safetensors.torch
+
+    from megatier.checkpoint.format.payload import EncodedPayload, checksum, read_metadata
+    from megatier.checkpoint.format.units import BASE
+    from megatier.checkpoint.tiers.node_memory import NodeMemory
+
+    root, job_id = os.path.split(d.tier1_job_dir.rstrip("/"))
+    memory = NodeMemory(root, job_id, d.victim_node)
+    bases = [e for e in memory.entries() if e.complete and e.pid.kind == BASE]
+    if not bases:
+        return None
+    newest = max(bases, key=lambda e: (e.pid.version, -e.owner_rank))
+    payload = memory.load(newest.owner_rank, newest.pid)
+    tensors = safetensors.torch.load(payload.data)
+    tensors["master"][d.rng.randrange(tensors["master"].numel())] = float("nan")
+    meta = json.dumps(read_metadata(payload.data, "campaign"))
+    data = safetensors.torch.save(tensors, metadata={"megatier": meta})
+    memory.save(EncodedPayload(data, dataclasses.replace(payload.stamp, size=len(data), xxh64=checksum(data))))
+    return f"{d.victim_node} rank {newest.owner_rank} {newest.pid} (NaN under a valid checksum)"
+
+
 def _crash(point: str) -> FaultType:
     return FaultType(f"crash {point}", f"SIGKILL at the {point} crash point", crash_point=point)
 
@@ -160,6 +191,14 @@ CATALOGUE: dict[str, FaultType] = {f.name: f for f in [
     FaultType("t3 lost", "a committed Tier-3 object deleted", damage=t3_lost),
     FaultType("commit record", "an unreadable _COMMITTED record", damage=commit_record_corrupt),
     FaultType("stale area", "another job's copies planted in node memory", damage=stale_area),
+    FaultType("nan base", "a NaN in a node-memory base's master weights under a valid checksum",
+              damage=t1_nan_base),
+    FaultType("grad nan", "a NaN planted into one rank's gradient at one step (transient)",
+              transient="MEGATIER_GRAD_NAN_AT"),
+    FaultType("activation flip", "a bit flipped in one rank's activation at one step (transient)",
+              transient="MEGATIER_FLIP_AT"),
+    FaultType("crash after restore", "a step that crashes whenever it is reached, in launch after launch",
+              recurring=True),
     FaultType("t1 full", "the victim node's disk full for anything over 64 KiB", file_limit=64 << 10),
     FaultType("lease", "a second launch of the job while it runs", lease_conflict=True),
     FaultType("s3 slowdown", "Tier-3 answers half of all requests 503 SlowDown", needs_s3=True,

@@ -9,8 +9,8 @@ So every tier the job writes keeps a short history of its restores (``restores.j
 ``_restores.json`` on Tier-3): the point
 restored (base V, end E), the fallback level it was taken at, and the step the launch after it reached before
 it failed (filled in by the next restore, from the tiers' progress keys and units) or that it ended cleanly. A
-restore *looped* when its launch failed within ``reliability.loop_window`` steps of the step it had to get past
-(its E; for a fallback, the failure it falls back from). The job is in a loop while the newest restores each
+restore *looped* when its launch failed within ``reliability.loop_window`` steps of its E, or for a fallback,
+no further than the failure it fell back from. The job is in a loop while the newest restores each
 looped and none got further than the newest failure: a flaky machine that fails every few steps but moves on
 is not a loop. :func:`plan` reads that run of loops:
 
@@ -73,9 +73,14 @@ def with_failure(history: list[dict], reached: Optional[int]) -> list[dict]:
 
 
 def looped(entry: dict, window: int) -> bool:
-    """Whether the launch after this restore failed within ``window`` steps of the step it had to get past."""
+    """Whether the launch after this restore failed before getting anywhere: within ``window`` steps of the point
+    it restored, or for a fallback, no further than the failure it fell back from."""
     reached = entry.get("reached")
-    return not entry.get("clean") and reached is not None and reached - entry.get("mark", entry["end"]) <= window
+    if entry.get("clean") or reached is None:
+        return False
+    if entry.get("level", 0) > 0:
+        return reached <= entry["mark"]
+    return reached - entry["end"] <= window
 
 
 def trailing_loops(history: list[dict], window: int) -> list[dict]:
@@ -103,8 +108,10 @@ def plan(history: list[dict], window: int, limit: int) -> Fallback:
         raise RestoreLoop(stop_line(loops, window, limit, f"no older point is left after {LEVELS[-1]}"))
     # Level 1 goes below the looping points themselves (each E: a restore re-bases there, so its newest base
     # holds the same state), level 2 below the bases level 1 took.
-    below = min(e["end"] if level == 1 else e["version"] for e in loops if e.get("level", 0) == level - 1)
-    return Fallback(level, below, tier3_only=level == 2)
+    points = [e["end"] if level == 1 else e["version"] for e in loops if e.get("level", 0) == level - 1]
+    if not points:  # a history cut short (or written by hand): start counting again
+        return Fallback()
+    return Fallback(level, min(points), tier3_only=level == 2)
 
 
 def stop_line(loops: list[dict], window: int, limit: int, why: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatier.faults import ActivationFlip
+from megatier.faults import ActivationFlip, GradientNaN
 from megatier.training.sdc import MIN_HISTORY, SpikeCheck, ranks_that_differ
 from tests.unit.training.runs import train_records
 
@@ -12,6 +12,7 @@ from tests.unit.training.runs import train_records
 def test_nonfinite_steps_are_suspicious_outside_fp16_and_spikes_once_there_is_a_history():
     check = SpikeCheck(10.0, loss_scaled=False)
     assert check.suspicious(float("nan"), 4.0) == "loss nan, gradient norm 2.0"
+    assert check.suspicious(3.0, float("nan")) == "loss 3.0, gradient norm nan"
     assert check.suspicious(3.0, float("inf")) is not None
     assert check.suspicious(300.0, 1e6) is None  # no history yet: the first steps are never spikes
     for _ in range(MIN_HISTORY):
@@ -37,11 +38,23 @@ def test_the_flip_is_armed_by_step_and_rank():
     assert ActivationFlip.from_env(2, {"MEGATIER_FLIP_AT": "7:2"}).step == 7
     with pytest.raises(ValueError, match="is not <step>\\[:<rank>\\]"):
         ActivationFlip.from_env(0, {"MEGATIER_FLIP_AT": "soon"})
+    assert GradientNaN.from_env(1, {"MEGATIER_GRAD_NAN_AT": "4:1"}).step == 4
+    grad = torch.ones(3)
+    planted = GradientNaN(4)
+    planted.plant(3, grad)
+    assert torch.isfinite(grad).all()
+    planted.plant(4, grad)
+    assert grad.isnan().tolist() == [True, False, False]
+    planted.plant(4, grad.fill_(1.0))  # once only: the step's second run is clean
+    assert torch.isfinite(grad).all() and planted.fired
 
 
-def test_a_flipped_activation_is_caught_and_the_run_ends_bit_identical(tiny_config, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fault", ["MEGATIER_FLIP_AT", "MEGATIER_GRAD_NAN_AT"])
+def test_a_transient_fault_is_caught_and_the_run_ends_bit_identical(tiny_config, tmp_path, monkeypatch, fault):
+    """A bit flipped in an activation, or a NaN planted in the local gradient, once at step 12: the step runs
+    again, the second result is used, and the run ends with the state of a run without the fault."""
     clean = train_records(tiny_config("train.iters=14", f"logging.run_dir={tmp_path / 'clean'}"))
-    monkeypatch.setenv("MEGATIER_FLIP_AT", "12")
+    monkeypatch.setenv(fault, "12")
     flipped = train_records(tiny_config("train.iters=14", f"logging.run_dir={tmp_path / 'flipped'}"))
     (event,) = [r for r in flipped if r.get("event") == "rerun"]
     assert event["step"] == 12 and event["transient"] and event["ranks"] == [0]

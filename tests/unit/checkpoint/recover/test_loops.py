@@ -60,6 +60,8 @@ def test_a_job_that_keeps_failing_at_the_same_step_falls_back_level_by_level():
 def test_progress_a_clean_end_or_a_late_failure_is_not_a_loop():
     moving = _history((20, 25, 0, 29), (29, 29, 0, 33), (33, 33, 0, 37))  # fails every 4 steps, moves on
     assert trailing_loops(moving, WINDOW) == moving[-1:] and plan(moving, WINDOW, LIMIT) == Fallback()
+    past = _history((20, 25, 0, 25), (25, 25, 0, 25), (20, 20, 1, 31))  # the fallback got past step 26
+    assert trailing_loops(past, WINDOW) == [] and plan(past, WINDOW, LIMIT) == Fallback()
     late = _history((20, 25, 0, 25), (25, 25, 0, 36))  # got 11 steps past its point
     assert trailing_loops(late, WINDOW) == [] and plan(late, WINDOW, LIMIT) == Fallback()
     clean = closed(_history((20, 25, 0, None), (25, 25, 0, None)))  # the last launch ended without a failure
