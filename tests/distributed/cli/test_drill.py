@@ -337,3 +337,24 @@ def test_crash_during_replay_recovers_on_the_next_launch(tmp_path, points_refere
     during_replay = {1: {"MEGATIER_CRASH_AT": "replay.mid_batch:0"}}
     record = _crash_then_recover(tmp_path, points_reference, first, env_second=during_replay)
     assert record["end"] >= 12
+
+
+@pytest.fixture
+def loaded_machine():
+    """Two busy processes beside the job for its whole run (this box has two cores): the save thread, the
+    replicator and the uploader fall behind the loop unless the loop waits for what a bound depends on."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    yield
+    for proc in busy:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("fail, most", [("software", 1), ("node", 2)])
+def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_reference, loaded_machine, fail, most):
+    report = drill(tmp_path, "--fail", fail, "--at-step", "17")
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["failure_class"] == fail and rec["steps_lost_drill"] <= most, rec
+    assert report["final_digest"] == drill_reference
