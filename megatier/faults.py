@@ -15,7 +15,8 @@ comparison.
 
 Transient faults for the reliability drills, each firing once in a launch: ``MEGATIER_FLIP_AT=<step>[:<rank>]``
 flips a bit of an activation (:class:`ActivationFlip`), ``MEGATIER_GRAD_NAN_AT=<step>[:<rank>]`` plants a NaN
-into the local gradient (:class:`GradientNaN`).
+into the local gradient and ``MEGATIER_PARAM_FLIP_AT=<step>[:<rank>]`` flips a bit of the rank's parameters
+after the all-gather (:class:`TensorFault`).
 """
 from __future__ import annotations
 
@@ -125,6 +126,7 @@ class FaultInjector:
 
 FLIP_ENV = "MEGATIER_FLIP_AT"
 GRAD_NAN_ENV = "MEGATIER_GRAD_NAN_AT"
+PARAM_FLIP_ENV = "MEGATIER_PARAM_FLIP_AT"
 
 
 def _armed_step(env: str, rank: int, environ: Optional[dict]) -> Optional[int]:
@@ -176,22 +178,42 @@ class ActivationFlip:
 
 
 @dataclass
-class GradientNaN:
-    """A transient fault for reliability drills, armed by ``MEGATIER_GRAD_NAN_AT=<step>[:<rank>]``: after the
-    first backward pass of ``step`` on ``rank`` (every rank when not given), one element of the rank's local
-    gradient becomes NaN, once. The step's second run is clean; a NaN must never reach a checkpoint."""
+class TensorFault:
+    """A transient fault for reliability drills that poisons one tensor once: at ``step`` (armed by ``env`` as
+    ``<step>[:<rank>]``) its first element becomes NaN (``nan``) or has bit 30 flipped (``flip``).
 
+    - :data:`GRAD_NAN_ENV`: this rank's local gradient after the step's first backward pass. The step's second
+      run is clean (megatier.training.sdc); a NaN must never reach a checkpoint.
+    - :data:`PARAM_FLIP_ENV`: this rank's copy of the parameters after the optimizer step's all-gather, as a
+      flipped bit in memory or on the wire would leave it; the replica check must find it
+      (megatier.checkpoint.policy.replicas).
+    """
+
+    env: str
+    kind: str  # "nan" | "flip"
     step: Optional[int] = None
     fired: bool = False
 
     @classmethod
-    def from_env(cls, rank: int, environ: Optional[dict] = None) -> "GradientNaN":
-        return cls(_armed_step(GRAD_NAN_ENV, rank, environ))
+    def from_env(cls, env: str, kind: str, rank: int, environ: Optional[dict] = None) -> "TensorFault":
+        return cls(env, kind, _armed_step(env, rank, environ))
 
-    def plant(self, step: int, grad: torch.Tensor) -> None:
-        """Poison ``grad`` (this rank's local gradient of ``step``, before its reduction) when armed for it."""
+    def plant(self, step: int, tensor: torch.Tensor) -> None:
+        """Poison ``tensor`` when armed for ``step`` (once)."""
         if self.fired or step != self.step:
             return
         self.fired = True
-        grad.view(-1)[:1].fill_(float("nan"))
-        sys.stderr.write(f"[megatier] {GRAD_NAN_ENV}: planted a NaN into the gradient at step {step}\n")
+        first = tensor.detach().view(-1)[:1]
+        if self.kind == "nan":
+            first.fill_(float("nan"))
+        else:
+            first.view(torch.int32).bitwise_xor_(1 << 30)
+        sys.stderr.write(f"[megatier] {self.env}: {self.kind} planted at step {step}\n")
+
+
+def gradient_nan(rank: int, environ: Optional[dict] = None) -> TensorFault:
+    return TensorFault.from_env(GRAD_NAN_ENV, "nan", rank, environ)
+
+
+def parameter_flip(rank: int, environ: Optional[dict] = None) -> TensorFault:
+    return TensorFault.from_env(PARAM_FLIP_ENV, "flip", rank, environ)

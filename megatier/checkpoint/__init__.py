@@ -47,6 +47,7 @@ enforces: a module imports only from the rows below its own):
   policy/interval     the base interval's cost model (GoCkpt's analysis, with a diff every step)
   policy/auto_interval base_interval=auto: costs measured, the interval chosen after a warm-up
   policy/cadence      which bases Tier-3 gets (remote.base_every)
+  policy/replicas     the replica check: which data-parallel replicas hold other parameters than their group
   policy/rules        the checkpoint config's cross-field rules; the effective config on a topology
   reclaim/policy      which units a watermark (or a recovery point) makes obsolete, per tier
   reclaim/executor    the one deletion executor every reclaiming caller uses

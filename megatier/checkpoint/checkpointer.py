@@ -18,11 +18,11 @@ from typing import Any, Callable, Optional, Protocol
 
 from torch import nn
 
-from megatier.checkpoint.context import LoopRule, build_context
+from megatier.checkpoint.context import build_context
 from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.storage.store import ObjectStore
-from megatier.config import CheckpointConfig
+from megatier.config import CheckpointConfig, ReliabilityConfig
 from megatier.faults import FaultInjector
 
 
@@ -57,8 +57,8 @@ CheckpointerFactory = Callable[[TrainState], Checkpointer]
 
 def build_checkpointer(cfg: CheckpointConfig, state: TrainState, *, timeout_s: float,
                        fault: Optional[FaultInjector] = None, remote_store: Optional[ObjectStore] = None,
-                       loops: LoopRule = LoopRule()) -> CheckpointManager:
+                       reliability: Optional[ReliabilityConfig] = None) -> CheckpointManager:
     """The tiered checkpointer of ``cfg`` for this rank (collective: every rank calls it); see build_context."""
     ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store,
-                        fingerprint=state.fingerprint, followed=state.followed, loops=loops)
+                        fingerprint=state.fingerprint, followed=state.followed, reliability=reliability)
     return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size), model=state.model)

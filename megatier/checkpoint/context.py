@@ -36,20 +36,12 @@ from megatier.checkpoint.tiers.node_memory import NodeMemory
 from megatier.checkpoint.tiers.peer import PeerTier, ReplicaArea
 from megatier.checkpoint.tiers.remote import RemoteTier, open_remote_store
 from megatier.checkpoint.tiers.replicator import PeerReplicator
-from megatier.config import CheckpointConfig, ConfigError
+from megatier.config import CheckpointConfig, ConfigError, ReliabilityConfig
 from megatier.config.fingerprint import fingerprint_hash
 from megatier.faults import FaultHook, FaultInjector, no_faults
 from megatier.parallel.layout import Layout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class LoopRule:
-    """When failures right after restores are a loop (reliability.loop_window, loop_limit; recover.loops)."""
-
-    window: int = 10
-    limit: int = 2
 
 
 @dataclass
@@ -65,7 +57,9 @@ class CheckpointContext:
     timeout_s: float = 600.0
     fingerprint: dict = field(default_factory=dict)  # megatier.config.fingerprint.state_fingerprint of the run
     followed: tuple[str, ...] = ()  # fingerprint keys a restore takes from the job's record (followed_keys)
-    loops: LoopRule = LoopRule()  # the restart-loop guard's rule
+    # The restart-loop guard's window and limit, the replica check's interval (reliability.*; the rest of that
+    # group is the training loop's).
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     fingerprint_id: str = field(init=False)
     job_id: str = field(init=False)
     rank: int = field(init=False)
@@ -134,7 +128,8 @@ def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig, comm: Che
 
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
                   remote_store: Optional[ObjectStore] = None, fingerprint: Optional[dict] = None,
-                  followed: tuple[str, ...] = (), loops: LoopRule = LoopRule()) -> CheckpointContext:
+                  followed: tuple[str, ...] = (),
+                  reliability: Optional[ReliabilityConfig] = None) -> CheckpointContext:
     """Open the tiers of ``cfg`` (already validated and made effective for this topology) on every rank.
 
     ``ps`` is the job's ParallelState. Unreachable or unwritable tiers fail here,
@@ -176,4 +171,4 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
                                 drain_timeout_s=cfg.remote.drain_timeout_s, lease=remote.lease, fault=fault,
                                 offline=remote.offline))
     return CheckpointContext(cfg, ps.plain(), ps.node_name, tiers, comm, fault, timeout_s, dict(fingerprint or {}),
-                             tuple(followed), loops)
+                             tuple(followed), reliability or ReliabilityConfig())

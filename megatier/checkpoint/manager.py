@@ -48,6 +48,7 @@ from megatier import ops
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import DIFF, STEP, PayloadId
+from megatier.checkpoint.policy import replicas
 from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
 from megatier.checkpoint.recover.loops import closed
 from megatier.checkpoint.recover.restore import RecoveryResult
@@ -124,6 +125,7 @@ class CheckpointManager:
         # Units finished at the previous step, for the lockstep tiers: the save thread's (by id) or the loop's own.
         self._handoff: list[Union[PayloadId, EncodedPayload]] = []
         self._restored: Optional[RecoveryResult] = None  # its restore history is marked clean at a clean close
+        self._withhold_next = False  # the replica check failed: the next base is kept from Tier-3
         saving = [t for t in ctx.tiers if t.saves]
         self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
@@ -141,7 +143,8 @@ class CheckpointManager:
         # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes (cadence.py).
         worker_tiers = save_thread_tiers([t for t in saving if not t.lockstep],
                                          base_interval=initial_interval(self.cfg),
-                                         base_every=self.cfg.remote.base_every, anchor=lambda: self.anchor)
+                                         base_every=self.cfg.remote.base_every, anchor=lambda: self.anchor,
+                                         withholds=ctx.reliability.replica_check_interval > 0)
         self.worker = SaveWorker(job_id=ctx.job_id, layout=ctx.layout, tiers=worker_tiers,
                                  keep_for_loop=bool(self._lockstep), fingerprint=ctx.fingerprint_id, inline=inline)
 
@@ -214,6 +217,8 @@ class CheckpointManager:
         if self._auto is not None:
             self._auto.step_done()
         clock = _PhaseClock()
+        odd = self._check_replicas(step)
+        clock.lap("replicas")
         closes = (step - self.anchor) % self.cfg.diff.batch == 0
         if self.cfg.diff.threads == 1:
             record, nbytes, handoff = self._parked(
@@ -224,7 +229,25 @@ class CheckpointManager:
         base = self.capture.after_step(step)
         clock.lap("base_copy")
         self._hand_on(step, record, nbytes, closes, handoff, base, clock)
-        return self._metrics(clock.laps)
+        metrics = self._metrics(clock.laps)
+        if odd:
+            metrics["replica_mismatch"] = odd
+        return metrics
+
+    def _check_replicas(self, step: int) -> list[int]:
+        """The replica check of ``step`` when due (:mod:`.policy.replicas`): the ranks whose parameters differ
+        from their data-parallel group's; a mismatch keeps the base of the interval from Tier-3."""
+        if not replicas.due(step, self.ctx.reliability.replica_check_interval):
+            return []
+        odd = replicas.odd_replicas(self.shard.replica_digests())
+        if odd:
+            self._withhold_next = True
+            self.shard.publish()  # gathered afresh from the optimizer's shards before the next step uses them
+            healed = not replicas.odd_replicas(self.shard.replica_digests())
+            log.warning("step %d: the parameters of data-parallel replica(s) %s differed from their group's after "
+                        "the all-gather (silent data corruption?); %s; the base of this interval is kept from Tier-3",
+                        step, odd, "gathered again, they agree" if healed else "gathered again, they STILL differ")
+        return odd
 
     @staticmethod
     def _parked(fn, clock: _PhaseClock):
@@ -270,6 +293,10 @@ class CheckpointManager:
         if base is not None:
             self._handoff.append(PayloadId.base(base.version))
             self._last_base = base.version
+            if self._withhold_next:  # before the save thread gets it
+                for tier in self.worker.tiers:
+                    tier.withhold(base.version)
+                self._withhold_next = False
         self._hand_over(handoff)
         clock.lap("handover")
         # The helper threads are woken last (the replicator, the save thread, the capture's copier, the sync's

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
+import xxhash
 
 from megatier import ops
 from megatier.checkpoint.format.payload import BaseState, DiffStep
@@ -198,6 +200,21 @@ class ShardAccess:
         if o.scaler is not None:
             for s in steps:
                 o.scaler.update(s.skipped)
+
+    def replica_digests(self) -> list[tuple[int, int]]:
+        """(global rank, xxh64 of the published parameters' bytes) for every data-parallel replica of this
+        shard's parameters, which must all be equal after the all-gather (collective over the dp group;
+        :mod:`.policy.replicas`)."""
+        params = self.optimizer.param_flat.detach()
+        digest = xxhash.xxh64(params.cpu().contiguous().view(torch.uint8).numpy()).intdigest()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        group = self.optimizer.dp_group
+        if group is None or dist.get_world_size(group) == 1:
+            return [(rank, digest)]
+        mine = torch.tensor([rank, digest - (1 << 63)], dtype=torch.int64, device=params.device)  # as int64
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, mine, group=group)
+        return [(int(t[0]), int(t[1]) + (1 << 63)) for t in every]
 
     def publish(self) -> None:
         """After loading and replaying: copy master into the model parameters on every dp rank."""

@@ -317,6 +317,10 @@ class ReliabilityConfig:
     # (exit 6). loop_limit=0 turns the guard off.
     loop_window: int = 10
     loop_limit: int = 2
+    # Every this many steps the data-parallel replicas compare a digest (xxh64) of the parameters they hold in
+    # common after the all-gather; a mismatch is named (ranks, step) and the base of that interval is kept
+    # from Tier-3 (megatier.checkpoint.policy.replicas). 0: off.
+    replica_check_interval: int = 0
 
 
 @dataclass

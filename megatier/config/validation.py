@@ -110,6 +110,8 @@ def _validate_reliability(r: ReliabilityConfig, precision: str, o: OptimConfig) 
                                            f">= 1")
     _require(r.loop_window >= 0, f"reliability.loop_window={r.loop_window} must be >= 0 (steps after a restore)")
     _require(r.loop_limit >= 0, f"reliability.loop_limit={r.loop_limit} must be >= 0 (0 turns the guard off)")
+    _require(r.replica_check_interval >= 0, f"reliability.replica_check_interval={r.replica_check_interval} must be "
+                                             f">= 0 (0 turns the check off)")
 
 
 def _validate_optim(o: OptimConfig) -> None:

@@ -27,14 +27,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
-from megatier.checkpoint.context import LoopRule
 from megatier.checkpoint.policy.rules import check_checkpoint_config, effective_checkpoint_config
 from megatier.config import Config, ConfigError, validate
 from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
 from megatier.data.corpus import ensure_default_corpus
 from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
 from megatier.data.indexed import IndexedDataset
-from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, GradientNaN
+from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, gradient_nan, parameter_flip
 from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
 from megatier.model.params import stage_spec
@@ -103,8 +102,10 @@ class Trainer:
         self.logger = self._build_logger()
         self.goodput = self._build_ledger(started)
         self.fault = FaultInjector.from_env(self.ps.rank)
-        # Transient faults for drills (megatier.training.sdc): a flipped activation bit, a NaN in the gradient.
-        self.flip, self.grad_nan = ActivationFlip.from_env(self.ps.rank), GradientNaN.from_env(self.ps.rank)
+        # Transient faults for drills: a flipped activation bit, a NaN in the gradient (megatier.training.sdc), a
+        # flipped bit in the gathered parameters (the replica check).
+        self.flip, self.grad_nan = ActivationFlip.from_env(self.ps.rank), gradient_nan(self.ps.rank)
+        self.param_flip = parameter_flip(self.ps.rank)
         for block in list(self.model.layers.values())[:1]:
             self.flip.install(block)
         self.checkpointer = self._build_checkpointer(checkpointer)
@@ -184,9 +185,8 @@ class Trainer:
             return factory(state)
         if not self.cfg.checkpoint.enabled:
             return None
-        r = self.cfg.reliability
         return build_checkpointer(self.cfg.checkpoint, state, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault,
-                                  loops=LoopRule(r.loop_window, r.loop_limit))
+                                  reliability=self.cfg.reliability)
 
     def _build_logger(self):
         if self.ps.rank != 0:
@@ -262,6 +262,7 @@ class Trainer:
         if rerun is not None:
             loss, reduced = rerun
         stats = self.optimizer.step(step, reduced)
+        self.param_flip.plant(step, self.optimizer.param_flat)
         self.nonfinite.check(step, stats.skipped, loss, self.optimizer.last_grad, self.optimizer.shard_segments)
         if not stats.skipped:
             self.spikes.applied(loss, stats.grad_norm)

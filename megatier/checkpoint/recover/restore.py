@@ -181,20 +181,20 @@ def _reached(inv: Inventory) -> Optional[int]:
 def _guarded_agree(ctx: CheckpointContext, inv: Inventory, history: list[dict],
                    allow_fresh_start: bool) -> tuple[Optional[Consensus], Fallback]:
     """The consensus at the point the restart-loop guard allows (:mod:`.loops`); RestoreLoop when none is left."""
-    rule = ctx.loops
-    fallback = plan(history, rule.window, rule.limit)
+    rule = ctx.reliability
+    fallback = plan(history, rule.loop_window, rule.loop_limit)
     if not fallback.level:
         return _agree(ctx, inv, set(), allow_fresh_start), fallback
-    loops = trailing_loops(history, rule.window)
+    loops = trailing_loops(history, rule.loop_window)
     try:
         consensus = _agree(ctx, inv, set(), False, fallback)
     except RecoveryError as e:
-        raise RestoreLoop(stop_line(loops, rule.window, rule.limit,
+        raise RestoreLoop(stop_line(loops, rule.loop_window, rule.loop_limit,
                                     f"{fallback.describe()} is not complete in any tier ({e})")) from None
     if ctx.rank == 0:
         log.warning("restore loop: the job failed within reliability.loop_window=%d steps of its last %d restores "
                     "(at step %d each time); restoring %s: v%d on its own, the steps after it are trained again",
-                    rule.window, len(loops), loops[-1]["reached"], fallback.describe(), consensus.version)
+                    rule.loop_window, len(loops), loops[-1]["reached"], fallback.describe(), consensus.version)
     return consensus, fallback
 
 

@@ -193,6 +193,9 @@ class Tier(abc.ABC):
     def upload_always(self, version: int) -> None:
         """Take the base of ``version`` whatever a cadence would skip (the final base at exit)."""
 
+    def withhold(self, version: int) -> None:
+        """Never take the base of ``version`` (the replica check found the state in doubt; Tier-3 only)."""
+
     def set_base_interval(self, steps: int) -> None:
         """The steps between bases from now on (base_interval=auto decided it); for tiers that pace by it."""
 

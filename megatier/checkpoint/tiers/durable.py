@@ -1,5 +1,6 @@
 """Tier-3 as the save thread sees it: every unit, except the bases ``checkpoint.remote.base_every`` skips
-(the decision: :func:`megatier.checkpoint.policy.cadence.uploads_base`)."""
+(the decision: :func:`megatier.checkpoint.policy.cadence.uploads_base`) and those the replica check withheld
+(:mod:`megatier.checkpoint.policy.replicas`)."""
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
@@ -24,12 +25,18 @@ class DurableCadence(Tier):
         self.base_interval, self.base_every, self.anchor = base_interval, base_every, anchor
         self.skipped: list[int] = []  # versions of the bases kept from Tier-3 (Tier-1/Tier-2 have them)
         self._always: set[int] = set()  # versions uploaded whatever the cadence says (the final base)
+        self.withheld: set[int] = set()  # versions kept from Tier-3 whatever the cadence says (replica check)
 
     def upload_always(self, version: int) -> None:
         self._always.add(version)
 
+    def withhold(self, version: int) -> None:
+        self.withheld.add(version)
+
     def put(self, payload: EncodedPayload) -> None:
         pid = payload.stamp.pid
+        if pid.kind == BASE and pid.version in self.withheld:
+            return
         if (pid.kind == BASE and pid.version not in self._always
                 and not uploads_base(pid.version, self.anchor(), self.base_interval, self.base_every)):
             self.skipped.append(pid.version)
@@ -53,10 +60,11 @@ class DurableCadence(Tier):
 
 
 def save_thread_tiers(tiers: Sequence[Tier], *, base_interval: int, base_every: int,
-                      anchor: Callable[[], int]) -> list[Tier]:
+                      anchor: Callable[[], int], withholds: bool = False) -> list[Tier]:
     """``tiers`` as the save thread puts into them: Tier-3 behind a :class:`DurableCadence` when
-    ``base_every`` > 1, every tier as it is otherwise (n = 1: Tier-3 gets every base)."""
-    if base_every == 1:
+    ``base_every`` > 1 or bases may be ``withheld`` (the replica check), every tier as it is otherwise (n = 1:
+    Tier-3 gets every base)."""
+    if base_every == 1 and not withholds:
         return list(tiers)
     return [DurableCadence(t, base_interval=base_interval, base_every=base_every, anchor=anchor)
             if t.label == TIER3 else t for t in tiers]

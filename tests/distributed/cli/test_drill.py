@@ -358,3 +358,27 @@ def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_referenc
     (rec,) = report["recoveries"]
     assert rec["failure_class"] == fail and rec["steps_lost_drill"] <= most, rec
     assert report["final_digest"] == drill_reference
+
+
+@pytest.mark.timeout(400)
+def test_a_flipped_parameter_replica_is_named_healed_and_its_base_never_committed(tmp_path):
+    """dp=3: after step 10's all-gather one bit of rank 2's parameters flips. The replica check at step 10 names
+    rank 2, gathers the parameters again (the run ends bit-identical to one without the flip), and base 10 (the
+    base of that interval) is never committed to Tier-3."""
+    job = ["model=tiny", "train.iters=14", "checkpoint=tiered", "checkpoint.base_interval=10",
+           "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "logging.progress=false",
+           f"checkpoint.job_id={JOB}", "data.seq_len=64", "train.global_batch_size=6", "train.micro_batch_size=2",
+           "parallel.timeout_s=30", "reliability.replica_check_interval=5"]
+    digests = {}
+    for name, env in (("clean", None), ("flipped", {0: {"MEGATIER_PARAM_FLIP_AT": "10:2"}})):
+        status, _ = run_job(tmp_path / name, job, nodes=1, procs=3, env=env)
+        assert status == 0
+        steps = {r["step"]: r for r in records(tmp_path / name) if "loss" in r and r.get("event") is None}
+        digests[name] = summary(tmp_path / name)["state_digest"]
+        bases = RemoteReader(open_remote_store(str(tmp_path / name / "remote"), JOB), JOB).committed_bases()
+        if name == "flipped":
+            assert steps[10]["replica_mismatch"] == [2] and all("replica_mismatch" not in steps[s] for s in (5, 14))
+            assert 10 not in bases and 0 in bases, bases
+        else:
+            assert 10 in bases, bases
+    assert digests["flipped"] == digests["clean"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatier.faults import ActivationFlip, GradientNaN
+from megatier.faults import ActivationFlip, gradient_nan, parameter_flip
 from megatier.training.sdc import MIN_HISTORY, SpikeCheck, ranks_that_differ
 from tests.unit.training.runs import train_records
 
@@ -38,15 +38,18 @@ def test_the_flip_is_armed_by_step_and_rank():
     assert ActivationFlip.from_env(2, {"MEGATIER_FLIP_AT": "7:2"}).step == 7
     with pytest.raises(ValueError, match="is not <step>\\[:<rank>\\]"):
         ActivationFlip.from_env(0, {"MEGATIER_FLIP_AT": "soon"})
-    assert GradientNaN.from_env(1, {"MEGATIER_GRAD_NAN_AT": "4:1"}).step == 4
+    assert gradient_nan(1, {"MEGATIER_GRAD_NAN_AT": "4:1"}).step == 4
     grad = torch.ones(3)
-    planted = GradientNaN(4)
+    planted = gradient_nan(0, {"MEGATIER_GRAD_NAN_AT": "4"})
     planted.plant(3, grad)
     assert torch.isfinite(grad).all()
     planted.plant(4, grad)
     assert grad.isnan().tolist() == [True, False, False]
     planted.plant(4, grad.fill_(1.0))  # once only: the step's second run is clean
     assert torch.isfinite(grad).all() and planted.fired
+    params = torch.full((2,), 0.5)
+    parameter_flip(0, {"MEGATIER_PARAM_FLIP_AT": "2"}).plant(2, params)
+    assert params[0].item() == 0.5 * 2.0 ** 128 and params[1].item() == 0.5  # bit 30: the exponent's highest
 
 
 @pytest.mark.parametrize("fault", ["MEGATIER_FLIP_AT", "MEGATIER_GRAD_NAN_AT"])
