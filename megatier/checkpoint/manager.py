@@ -237,8 +237,8 @@ class CheckpointManager:
     def _check_replicas(self, step: int) -> list[int]:
         """The replica check of ``step`` when due (:mod:`.policy.replicas`): the ranks whose parameters differ
         from their data-parallel group's; a mismatch keeps the base of the interval from Tier-3."""
-        if not replicas.due(step, self.ctx.reliability.replica_check_interval):
-            return []
+        if self.ctx.layout.dp == 1 or not replicas.due(step, self.ctx.reliability.replica_check_interval):
+            return []  # without data parallelism there are no replicas to compare
         odd = replicas.odd_replicas(self.shard.replica_digests())
         if odd:
             self._withhold_next = True
