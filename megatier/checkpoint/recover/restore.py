@@ -173,7 +173,12 @@ def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: 
 
 
 def _reached(inv: Inventory) -> Optional[int]:
-    """The newest step the job reached before this restore: the progress keys, or the newest unit anywhere."""
+    """The newest step the job reached before this restore: the progress keys, or the newest unit anywhere (a
+    launch that died before its first step left no progress key). None when no node memory survived: a rack
+    failure takes the progress keys with it, and Tier-3's units alone would make a launch that trained on look
+    like one that failed at once (a loop)."""
+    if last_step(inv) is None and not inv.has_copies(TIER1):
+        return None
     steps = [s for s in (last_step(inv), max((c.pid.last for c in inv.copies), default=None)) if s is not None]
     return max(steps, default=None)
 

@@ -144,3 +144,17 @@ def test_a_job_whose_every_point_loops_stops_with_one_line(caplog):
     line = str(stopped.value)
     assert "\n" not in line and "reliability.loop_window=10" in line and "v10->E=10" in line
     assert "failed after step 25" in line and "reliability.loop_limit=0" in line
+
+
+def test_a_rack_failure_is_never_taken_for_a_loop():
+    """Node memory gone (progress keys and units with it): how far the last launch got is unknown, and Tier-3's
+    older units must not make it look like a launch that failed at once."""
+    tiers = _tiers()
+    _launch(tiers, train_to=25)
+    _launch(tiers, train_to=27)  # trained on, then every node was lost
+    tiers[0].units.clear()
+    tiers[0].restores = []
+    start, record, _ = _launch(tiers)
+    assert record["fallback"] is None and tiers[1].restores[-2]["reached"] is None
+    assert _launch(tiers)[1]["fallback"] is None  # one loop since the rack (before it: none that counts)
+    assert _launch(tiers)[1]["fallback"] is not None  # two: the guard works on from there
