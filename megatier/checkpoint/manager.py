@@ -180,6 +180,11 @@ class CheckpointManager:
             self._auto.anchor_capture_s = time.perf_counter() - started
         self._handoff = [PayloadId.base(start)]
         self._step = self._last_base = start
+        if result is not None and result.durable_base is not None:
+            # What the first watermark sync would learn, at once: a job whose launches all end before a sync
+            # completes would otherwise never reclaim Tier-3, and its listing (every restore's) would grow.
+            self.watermark = result.durable_base
+            self.worker.submit_reclaim(self.watermark, self.ctx.tiers)
         return start, record
 
     def _follow_job(self, recorded: dict[str, str]) -> None:

@@ -61,7 +61,7 @@ from megatier.checkpoint.recover.record import recovery_record
 from megatier.checkpoint.recover.reshard import Rebuilder, assign, describe, exchange, reshard_label
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.storage.store import StoreError
-from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2
+from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2, TIER3
 from megatier.faults import CrashPoint
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class RecoveryResult:
     adopted: dict = field(default_factory=dict)  # followed fingerprint keys -> the job's recorded values
     history: list[dict] = field(default_factory=list)  # the job's restore history, this restore's entry last
     keeps_history: list = field(default_factory=list)  # the tiers this rank keeps it on (those it lists)
+    durable_base: Optional[int] = None  # the newest base committed on Tier-3 at or before the point restored
 
 
 def _apply(ctx: CheckpointContext, target, pid: Optional[PayloadId], obj: Any, upto: int) -> Optional[str]:
@@ -271,4 +272,6 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     keepers = _listed_here(ctx, inv)
     for tier in keepers:
         tier.record_restores(history)
-    return RecoveryResult(consensus.version, consensus.end, record, adopted, history, keepers)
+    durable = max((c.pid.version for c in inv.copies if c.tier == TIER3 and c.pid.kind == BASE
+                   and c.pid.version <= consensus.version and c not in ledger.bad), default=None)
+    return RecoveryResult(consensus.version, consensus.end, record, adopted, history, keepers, durable)

@@ -158,3 +158,20 @@ def test_a_base_of_a_state_holding_nan_is_never_stored():
         manager.after_step(10)
     assert all(pid != B(10) for t in tiers for _, pid in t.units)
     assert (0, B(0)) in tiers[0].units and (0, D(6, 10)) in tiers[0].units  # what was stored stays
+
+
+def test_a_restore_reclaims_behind_the_newest_committed_base_before_any_sync():
+    """A job whose launches all end before a watermark sync completes must still reclaim: the restore hands the
+    newest base committed on Tier-3 (at or before the point restored) on as the watermark."""
+    tiers = [MemoryTier(TIER1, takes_steps=True), MemoryTier(TIER3, scope=JOB)]
+    opt, shard = tiny_shard()
+    manager = CheckpointManager(context(tiers, base_interval=10, batch=5), shard, inline=True)
+    manager.restore()
+    for s in range(1, 26):
+        step(opt, s)
+        manager.after_step(s)
+    tiers[1].watermarks.clear()  # the crash: dropped without close()
+    relaunch = CheckpointManager(context(tiers, base_interval=10, batch=5), tiny_shard()[1], inline=True)
+    start, _ = relaunch.restore()
+    assert start == 25 and relaunch.watermark == 20 and tiers[1].watermarks == [20]
+    assert sorted(p.version for p in tiers[0].held() if p.kind == "base") == [20, 25]  # bases 0 and 10 reclaimed
