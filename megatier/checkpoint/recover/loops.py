@@ -121,8 +121,8 @@ def stop_line(loops: list[dict], window: int, limit: int, why: str) -> str:
     return (f"restore loop: the job failed within reliability.loop_window={window} steps of every point it "
             f"restored, up to reliability.loop_limit={limit} times each ({tried}); {why}. Suspected: step {failing} "
             f"itself (its batch, or the code it runs), or if the state is at fault, base v{oldest} and every unit "
-            f"after it. Relaunching repeats this: find the failure in those launches' logs "
-            f"(reliability.loop_limit=0 turns the guard off)")
+            f"after it. Relaunching repeats this: find the failure in those launches' logs, and once it is fixed "
+            f"relaunch once with reliability.loop_limit=0 (the guard counts afresh after a launch that gets on)")
 
 
 def appended(history: list[dict], *, version: int, end: int, level: int) -> list[dict]:
