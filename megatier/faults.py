@@ -180,7 +180,8 @@ class ActivationFlip:
 @dataclass
 class TensorFault:
     """A transient fault for reliability drills that poisons one tensor once: at ``step`` (armed by ``env`` as
-    ``<step>[:<rank>]``) its first element becomes NaN (``nan``) or has bit 30 flipped (``flip``).
+    ``<step>[:<rank>]``) its first element becomes NaN (``nan``) or inf (``inf``), or has bit 30 flipped
+    (``flip``).
 
     - :data:`GRAD_NAN_ENV`: this rank's local gradient after the step's first backward pass. The step's second
       run is clean (megatier.training.sdc); a NaN must never reach a checkpoint.
@@ -190,7 +191,7 @@ class TensorFault:
     """
 
     env: str
-    kind: str  # "nan" | "flip"
+    kind: str  # "nan" | "inf" | "flip"
     step: Optional[int] = None
     fired: bool = False
 
@@ -204,10 +205,10 @@ class TensorFault:
             return
         self.fired = True
         first = tensor.detach().view(-1)[:1]
-        if self.kind == "nan":
-            first.fill_(float("nan"))
-        else:
+        if self.kind == "flip":
             first.view(torch.int32).bitwise_xor_(1 << 30)
+        else:
+            first.fill_(float(self.kind))  # "nan" or "inf"
         sys.stderr.write(f"[megatier] {self.env}: {self.kind} planted at step {step}\n")
 
 

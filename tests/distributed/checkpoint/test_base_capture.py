@@ -22,6 +22,7 @@ from megatier.checkpoint.tiers.base import TIER1
 from megatier.config import (
     Config,
 )
+from megatier.faults import TensorFault
 from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
@@ -43,13 +44,8 @@ def _config(tmp: str, prefix: str, layout: tuple[int, int], capture: str, k: int
                                 "diff": {"batch": 5}})
 
 def _plant_overflow(trainer: Trainer) -> None:
-    """An fp16 overflow at OVERFLOW_STEP: inf in this rank's gradients before the update sees them."""
-
-    def hook(iteration: int) -> None:
-        if iteration == OVERFLOW_STEP:
-            trainer.grads.flat[0] = float("inf")
-
-    trainer.optimizer.register_pre_step_hook(hook)
+    """An fp16 overflow at OVERFLOW_STEP: inf in this rank's local gradients, before their reduction."""
+    trainer.grad_nan = TensorFault("overflow", "inf", OVERFLOW_STEP)
 
 
 def _train(rank: int, tmp: str, prefix: str, layout: tuple[int, int]) -> dict:
