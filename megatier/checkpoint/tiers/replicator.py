@@ -68,7 +68,8 @@ from megatier.faults import CrashPoint, FaultHook, no_faults
 log = logging.getLogger(__name__)
 
 _TAG_HDR, _TAG_HDR_BACK, _TAG_STAMP, _TAG_DATA, _TAG_ACK = 0x7201, 0x7202, 0x7203, 0x7204, 0x7205
-_MAX_QUEUED_DIFFS = 4  # diff batches or step units: a step unit per step keeps the ring a tick or two behind
+_MAX_QUEUED_DIFFS = 1  # diff batches or step units not yet acknowledged: more would let a node failure lose
+# more than the two steps its class allows (the one in flight and the one handed over); the loop waits instead
 
 
 class PeerReplicator:
