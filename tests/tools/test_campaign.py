@@ -17,6 +17,15 @@ SHORT = "crash t1.mid_write,crash replay.mid_batch,node,rack,t1 truncate,t3 flip
 RELIABILITY = "nan base,grad nan,activation flip,crash after restore"
 
 
+def _campaign(tmp_path, faults: int, seed: int, types: str) -> str:
+    """Run a seeded campaign of ``faults`` faults of ``types``; its report, once it exited 0."""
+    cmd = [sys.executable, str(REPO / "tools" / "chaos" / "campaign.py"), "--faults", str(faults), "--seed",
+           str(seed), "--types", types, "--work-dir", str(tmp_path / "campaign")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 def test_the_catalogue_covers_every_fault_class_the_campaign_promises():
     assert len(CATALOGUE) >= 20
     for needed in ("node", "rack", "hang", "t1 flip", "t2 flip", "t3 flip", "t3 truncate", "s3 slowdown",
@@ -28,11 +37,7 @@ def test_the_catalogue_covers_every_fault_class_the_campaign_promises():
 
 
 def test_a_short_campaign_survives_every_fault_bit_exactly(tmp_path):
-    cmd = [sys.executable, str(REPO / "tools" / "chaos" / "campaign.py"), "--faults", "8", "--seed", "5",
-           "--types", SHORT, "--work-dir", str(tmp_path / "campaign")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
-    report = proc.stdout
-    assert proc.returncode == 0, report[-4000:] + proc.stderr[-3000:]
+    report = _campaign(tmp_path, 8, 5, SHORT)
     assert "8/8 faults recovered as required" in report and "bit-identical" in report
     assert "RESULT: every fault survived or reported" in report
 
@@ -41,10 +46,6 @@ def test_the_reliability_faults_are_caught_or_fallen_back_from_and_the_job_ends_
     """A NaN base under a valid checksum (another copy serves), a NaN gradient and a flipped activation bit (the
     step's rerun catches them), a step that crashes whenever it is reached in two launches in a row (the next
     launch falls back to the previous base and trains the steps after it again)."""
-    cmd = [sys.executable, str(REPO / "tools" / "chaos" / "campaign.py"), "--faults", "4", "--seed", "3",
-           "--types", RELIABILITY, "--work-dir", str(tmp_path / "campaign")]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=400)
-    report = proc.stdout
-    assert proc.returncode == 0, report[-4000:] + proc.stderr[-3000:]
+    report = _campaign(tmp_path, 4, 3, RELIABILITY)
     assert "4/4 faults recovered as required" in report and "bit-identical" in report
     assert report.count("a transient fault on rank(s)") == 2
