@@ -17,6 +17,7 @@ as 128 + signal).
 from __future__ import annotations
 
 import os
+import random
 import resource
 import signal
 import socket
@@ -26,8 +27,33 @@ import time
 from typing import Optional
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def _ephemeral_floor(default: int = 32768) -> int:
+    """The lowest port the kernel hands out to bind(0) and to outgoing connections (Linux; ``default`` elsewhere)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
+def free_port(span: int = 12000) -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, drawn from just below the ephemeral range.
+
+    A port from bind(0) lies in the ephemeral range, where the kernel may give it to any outgoing connection
+    (gloo opens many) before the agent listens on it: the rendezvous then fails with EADDRINUSE. Below that
+    range only another listener can take it.
+    """
+    floor = _ephemeral_floor()
+    low = max(1024, floor - span)
+    candidates = list(range(low, floor)) if floor > low else []
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -1,0 +1,33 @@
+"""The simulated cluster's rendezvous port and its agents' command lines."""
+import socket
+
+from megatier.drill import cluster
+
+
+def test_free_port_lies_below_the_ephemeral_range_and_can_be_bound():
+    floor = cluster._ephemeral_floor()
+    ports = {cluster.free_port() for _ in range(20)}
+    for port in ports:
+        assert 1024 <= port < floor
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", port))
+    assert len(ports) > 1, "ports are drawn at random, so two tests beside each other rarely share one"
+
+
+def test_free_port_skips_a_port_someone_listens_on(monkeypatch):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        # A range of exactly one port, and that one taken: the fallback asks the kernel.
+        monkeypatch.setattr(cluster, "_ephemeral_floor", lambda: busy + 1)
+        assert cluster.free_port(span=1) != busy
+
+
+def test_agent_command_hosts_the_rendezvous_on_node_0_only():
+    host = cluster.agent_command(["train.py"], nodes=2, procs_per_node=1, node_rank=0, port=23456, run_id="r",
+                                 max_restarts=0)
+    client = cluster.agent_command(["train.py"], nodes=2, procs_per_node=1, node_rank=1, port=23456, run_id="r",
+                                   max_restarts=0)
+    assert "127.0.0.1:23456" in host and "is_host=true" in host and "is_host=false" in client
+    assert host[-1] == "train.py"
