@@ -34,7 +34,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test: lint
-	$(PY) -m pytest -n 2 tests
+	$(PY) -m pytest -n 2 --durations=25 tests
 
 # The lent GPU machine has no network: fetch here the pure-Python wheels it lacks (docs/benchmarks.md, "GPU").
 gpu-wheels: install

@@ -116,6 +116,11 @@ class CheckpointComm(abc.ABC):
     def gather_ints(self, values: list[int], what: str = "a checkpoint collective") -> list[list[int]]:
         """Every rank's ``values`` (equal lengths), in rank order, on every rank."""
 
+    @abc.abstractmethod
+    def broadcast(self, item: Any, src: int = 0, what: str = "a checkpoint collective") -> Any:
+        """Rank ``src``'s ``item`` (picklable) on every rank (the others' argument is ignored). Unlike
+        :meth:`gather`, whose every item is padded to the largest, one big item costs each rank its size once."""
+
     def gather_ints_async(self, values: list[int], what: str = "a checkpoint collective") -> "PendingInts":
         """Start :meth:`gather_ints`; its rows come from the returned handle's ``wait`` (every rank must start
         the same gathers in the same order, and wait for each before a blocking collective of this comm)."""
@@ -210,6 +215,11 @@ class GroupComm(CheckpointComm):
     def gather_ints(self, values: list[int], what: str = "a checkpoint collective") -> list[list[int]]:
         return self._collective(what, lambda: self._all_gather_ints(values))
 
+    def broadcast(self, item: Any, src: int = 0, what: str = "a checkpoint collective") -> Any:
+        box = [item if self.rank == src else None]
+        self._collective(what, lambda: dist.broadcast_object_list(box, src=src, group=self.control))
+        return box[0]
+
     def gather_ints_async(self, values: list[int], what: str = "a checkpoint collective") -> PendingInts:
         """:meth:`gather_ints` on a helper thread; the caller waits for it before its next blocking collective
         (the contract above), so this comm's collectives still run in one order on every rank."""
@@ -273,6 +283,9 @@ class SoloComm(CheckpointComm):
 
     def gather_ints(self, values: list[int], what: str = "") -> list[list[int]]:
         return [list(values)]
+
+    def broadcast(self, item: Any, src: int = 0, what: str = "") -> Any:
+        return item
 
     def send(self, data: Optional[bytes], dst: int) -> None:
         raise RuntimeError(f"a world of one has no rank {dst} to send to")

@@ -129,12 +129,18 @@ class Fetcher:
         """How many rounds the current owners' chains take."""
         return max(len(self.consensus.chains[o]) for o in self.owners.values())
 
-    def round(self, k: int, carried_fatal: Optional[str]) -> tuple[Optional[PayloadId], Any]:
-        """Fetch unit ``k`` of every owner's chain; returns this rank's (unit, decoded object) or (None, None)."""
-        me = self.comm.rank
+    def plan(self, k: int) -> tuple[dict[int, PayloadId], dict[int, list[Copy]]]:
+        """Round ``k``'s unit of every fetching rank and its candidate copies, cheapest first. Every rank plans
+        every rank's round (sends and receives pair up because all walk the same lists)."""
         chains, copies = self.consensus.chains, self.consensus.copies
         need = {r: chains[o][k] for r, o in self.owners.items() if k < len(chains[o])}
         cands = {r: cascade(copies[(self.owners[r], pid)], self.rank_nodes[r]) for r, pid in need.items()}
+        return need, cands
+
+    def round(self, k: int, carried_fatal: Optional[str]) -> tuple[Optional[PayloadId], Any]:
+        """Fetch unit ``k`` of every owner's chain; returns this rank's (unit, decoded object) or (None, None)."""
+        me = self.comm.rank
+        need, cands = self.plan(k)
         result, got, notes, nxt = self._local_attempt(cands.get(me, []))
         statuses = self.comm.gather({"got": got, "next": nxt, "notes": notes, "fatal": carried_fatal},
                                     what=f"recovery round {k} (local copies)")

@@ -1,17 +1,18 @@
 """Recovery inventory: every tier's listing, gathered once, merged into one view every rank shares.
 
 Each rank lists its node-scope tiers (Tier-1 own areas, Tier-2 replica areas:
-its node's memory) and rank 0 lists the job-scope tier (Tier-3's committed
-units). One gather gives every rank every listing; :func:`merge` then keeps,
-for a node-scope tier, the listing of each node's *server* (its lowest global
-rank: holdings belong to nodes, and global ranks may land on other nodes than
-in the previous launch) and for a job-scope tier rank 0's. Every rank derives
-the same merged :class:`Inventory` from the same gathered data, so the
-consensus that follows needs no further messages.
+its node's memory) and sends its share of them, and rank 0 lists the
+job-scope tier (Tier-3's committed units) and broadcasts it. :func:`merge`
+puts each node's listing back together from its ranks' shares (holdings
+belong to nodes, and global ranks may land on other nodes than in the
+previous launch; the node's lowest global rank is its *server*). Every rank
+derives the same merged :class:`Inventory` from the same exchanged data, so
+the consensus that follows needs no further messages. Each rank receives
+O(world) bytes: benchmarks/bench_control_plane.py measures it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from megatier.checkpoint.comm import CheckpointComm
@@ -76,35 +77,82 @@ class Inventory:
         return " and ".join(self.places) if self.places else "no tier (none configured)"
 
 
-def merge(items: Sequence[dict], tiers: Sequence[Tier]) -> Inventory:
-    """The shared Inventory from every rank's gathered item ``{"node", "listings": {label: Listing}}``."""
-    rank_nodes = [it["node"] for it in items]
+def node_servers(rank_nodes: Sequence[str]) -> dict[str, int]:
+    """node -> its server, the node's lowest global rank."""
     servers: dict[str, int] = {}
     for r, node in enumerate(rank_nodes):
         servers.setdefault(node, r)  # ranks are visited in order: the lowest rank of each node serves it
-    inv = Inventory(rank_nodes, servers)
+    return servers
+
+
+def share_of(listing: Listing, index: int, count: int) -> Listing:
+    """The part of a node tier's ``listing`` that the node's rank ``index`` of ``count`` sends: the copies of
+    every ``count``-th owner (in owner order) from ``index`` on; the node-wide fields go with index 0 only.
+
+    Every rank of a node lists the same memory, and each sends a share, so the gather's items are about equal
+    (:meth:`CheckpointComm.gather` pads every item to the largest one)."""
+    owners = sorted({c.owner for c in listing.copies})
+    mine = set(owners[index::count])
+    copies = [c for c in listing.copies if c.owner in mine]
+    if index:
+        return Listing(copies=copies, traces=listing.traces)
+    return replace(listing, copies=copies)
+
+
+def whole(shares: Sequence[Listing]) -> Listing:
+    """A node tier's listing from its ranks' shares (:func:`share_of`), the first carrying the node-wide fields."""
+    first = shares[0]
+    return replace(first, copies=[c for share in shares for c in share.copies],
+                   traces=any(share.traces for share in shares))
+
+
+def merge(rank_nodes: Sequence[str], shares: Sequence[dict[str, Listing]], job: dict[str, Listing],
+          tiers: Sequence[Tier]) -> Inventory:
+    """The shared Inventory from every rank's node (``rank_nodes``) and node-tier shares (``shares``, by rank:
+    tier label -> :func:`share_of`) and rank 0's job-tier listings (``job``)."""
+    servers = node_servers(rank_nodes)
+    inv = Inventory(list(rank_nodes), servers)
+    by_node: dict[str, list[int]] = {}
+    for r, node in enumerate(rank_nodes):
+        by_node.setdefault(node, []).append(r)
     for tier in tiers:
-        listers = [0] if tier.scope == JOB else [servers[n] for n in sorted(servers)]
-        inv.listings[tier.label] = [items[r]["listings"][tier.label] for r in listers]
-        where = tier.where() if tier.scope == JOB else f"{tier.label} on nodes {', '.join(sorted(servers))}"
-        inv.places.append(where)
+        if tier.scope == JOB:
+            inv.listings[tier.label] = [job[tier.label]]
+            inv.places.append(tier.where())
+        else:
+            inv.listings[tier.label] = [whole([shares[r][tier.label] for r in by_node[n]]) for n in sorted(servers)]
+            inv.places.append(f"{tier.label} on nodes {', '.join(sorted(servers))}")
     return inv
 
 
 def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> Inventory:
-    """Collective: settle and list what this rank should list, gather, merge; a failure anywhere fails
-    every rank."""
-    item: dict = {"node": node, "listings": {}, "fatal": None}
+    """Collective: settle and list what this rank should list, exchange, merge; a failure anywhere fails
+    every rank.
+
+    Three exchanges, so that what each rank receives grows with the world size, not with its square: the
+    node names (a few bytes per rank), every rank's share of its node's listings (:func:`share_of`), and
+    rank 0's listing of the job-scope tier, broadcast (it holds every rank's units, and a gather would pad
+    every rank's item to its size)."""
+    rank_nodes = comm.gather(node, what="the recovery inventory (node names)")
+    mates = [r for r, n in enumerate(rank_nodes) if n == node]
+    shares: dict[str, Listing] = {}
+    job: dict[str, Listing] = {}
+    fatal = None
     try:
         for tier in tiers:
-            if tier.scope != JOB or comm.rank == 0:
+            if tier.scope != JOB:
+                if comm.rank == mates[0]:
+                    tier.settle()
+                shares[tier.label] = share_of(tier.list(), mates.index(comm.rank), len(mates))
+            elif comm.rank == 0:
                 tier.settle()
-                item["listings"][tier.label] = tier.list()
+                job[tier.label] = tier.list()
     except Exception as e:  # an unreadable area or an unreachable Tier-3 must stop every rank, not only this one
-        item["fatal"] = f"inventory on {node} failed: {type(e).__name__}: {e}"
-    items = comm.gather(item, what="the recovery inventory")
+        fatal = f"inventory on {node} failed: {type(e).__name__}: {e}"
+    items = comm.gather({"shares": shares, "fatal": fatal}, what="the recovery inventory (node memory)")
     raise_fatal(items, "the inventory")
-    return merge(items, tiers)
+    job = comm.broadcast(job, src=0, what="the recovery inventory (remote storage)")
+    return merge(rank_nodes, [it["shares"] for it in items], job, tiers)
 
 
 def last_step(inv: Inventory) -> Optional[int]:

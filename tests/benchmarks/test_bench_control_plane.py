@@ -1,0 +1,33 @@
+"""The control-plane simulation at 1k ranks: the agreed point, and what each rank receives grows as the world."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.bench_control_plane import World, main, parse_args, run
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_one_node_lost_in_a_world_of_1k_ranks_recovers_to_the_end_of_its_chain(capsys):
+    rows = main(["--ranks", "512,1024"])
+    small, big = rows
+    assert (big["version"], big["end"], big["rounds"]) == (50, 100, 1 + 10)  # base 50, ten batches of 5 steps
+    # Only the lost node's 8 ranks fetch from elsewhere (the ring successor's memory), one unit a round.
+    assert big["transfers"] == 8 * big["rounds"]
+    # Each rank's share is about the same size, so the padded gather costs O(world) bytes per rank ...
+    assert 1.9 < big["exchange_bytes"] / small["exchange_bytes"] < 2.1
+    # ... where one gather of whole listings (rank 0's holding Tier-3's) cost O(world^2).
+    assert 3.8 < big["old_exchange_bytes"] / small["old_exchange_bytes"] < 4.2
+    assert big["old_exchange_bytes"] > 100 * big["exchange_bytes"]
+    out = capsys.readouterr().out
+    assert "| 1,024 |" in out and "growth x" in out
+
+
+def test_a_world_the_layout_cannot_hold_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--ranks", "1000"])
+    assert "multiple of 128" in capsys.readouterr().err
+
+
+def test_without_a_lost_node_nobody_fetches_from_elsewhere():
+    assert run(World(384, 5, lost=-1))["transfers"] == 0
