@@ -22,12 +22,14 @@ def failure_class(served: dict[tuple[int, PayloadId], tuple[str, int]], tier1_pr
 def recovery_record(consensus: Consensus, served: dict[tuple[int, PayloadId], tuple[str, int]],
                     moved: dict[str, int], fallbacks: list[str], *, times: list[tuple[float, float, float]],
                     stale_removed: int, tier1_present: bool, last_step: Optional[int],
-                    rank_nodes: Optional[list[str]] = None) -> dict:
+                    rank_nodes: Optional[list[str]] = None, inventory_s: float = 0.0) -> dict:
     """The metrics record of a recovery; ``served[(rank, unit)] = (tier, bytes)`` of the pass that succeeded,
     ``moved`` the verified bytes per tier over all passes, ``times`` each rank's (consensus, rollback, replay):
     the record reports the slowest rank, since the job resumes when the last rank does.
     ``source_tiers`` counts ranks by where their base came from; ``rank_tiers[r]`` lists every tier
-    rank r's units (base and diffs) came from, next to ``rank_nodes[r]``, the node rank r ran on."""
+    rank r's units (base and diffs) came from, next to ``rank_nodes[r]``, the node rank r ran on.
+    ``inventory_s`` (the slowest rank's) is the part of ``t_consensus_s`` spent listing the tiers and exchanging
+    the inventory: it grows with what the tiers hold, the rest with the world size."""
     source_tiers = {TIER1: 0, TIER2: 0, TIER3: 0}
     per_rank: dict[int, set[str]] = {}
     for (rank, pid), (tier, _) in served.items():
@@ -43,6 +45,7 @@ def recovery_record(consensus: Consensus, served: dict[tuple[int, PayloadId], tu
         "version": consensus.version,
         "end": consensus.end,
         "t_consensus_s": max(t[0] for t in times),
+        "t_inventory_s": inventory_s,
         "t_rollback_s": max(t[1] for t in times),
         "t_replay_s": max(t[2] for t in times),
         "bytes_tier1": moved.get(TIER1, 0),

@@ -226,6 +226,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     """Recover the newest state every rank can reach, or None for a fresh start; collective over all ranks."""
     t0 = time.perf_counter()
     inv = take_inventory(ctx.comm, ctx.tiers, ctx.node)
+    t_inventory = time.perf_counter() - t0
     history = with_failure(newest(inv.histories), _reached(inv))
     consensus, fallback = _guarded_agree(ctx, inv, history, allow_fresh_start)
     if consensus is None:
@@ -244,14 +245,15 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     except (StoreError, OSError) as e:
         deleted, quarantined = [], []
         fatal = f"cleanup after recovery failed: {e}; stale units could mix with the resumed run"
-    final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "deleted": deleted,
-                             "quarantined": quarantined}, what="the recovery cleanup")
+    final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "inventory_s": t_inventory,
+                             "deleted": deleted, "quarantined": quarantined}, what="the recovery cleanup")
     raise_fatal(final, "cleanup")
     ledger = fetcher.ledger
     record = recovery_record(consensus, ledger.served, ledger.moved, ledger.fallbacks,
                              times=[f["times"] for f in final], stale_removed=sum(len(f["deleted"]) for f in final),
                              tier1_present=inv.has_copies(TIER1) or inv.has_copies(TIER2),
-                             last_step=last_step(inv), rank_nodes=inv.rank_nodes)
+                             last_step=last_step(inv), rank_nodes=inv.rank_nodes,
+                             inventory_s=max(f["inventory_s"] for f in final))
     record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
     record["checkfree"] = checkfree
     if checkfree is not None:

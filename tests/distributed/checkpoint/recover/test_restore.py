@@ -266,6 +266,7 @@ def _check_common(results: list[dict], version: int, end: int) -> dict:
     assert record["event"] == "recovery" and (record["version"], record["end"]) == (version, end)
     for key in ("t_consensus_s", "t_rollback_s", "t_replay_s"):
         assert record[key] >= 0
+    assert 0 < record["t_inventory_s"] <= record["t_consensus_s"]  # the listing is part of agreeing
     return record
 
 
