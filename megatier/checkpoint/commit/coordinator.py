@@ -45,6 +45,8 @@ from megatier.checkpoint.threads import helper_thread
 from megatier.faults import CrashPoint, FaultHook, no_faults
 
 log = logging.getLogger(__name__)
+# Up to this many units unknown to a poll are listed one by one; more, and the poll lists the whole job once.
+_LISTED_ONE_BY_ONE = 8
 
 
 def reclaim_remote(store: ObjectStore, watermark: int, keep_bases: int) -> list[PayloadId]:
@@ -131,11 +133,21 @@ class Coordinator:
 
     def _units(self) -> dict[PayloadId, UnitListing]:
         """Every unit on Tier-3 with its listing: those known committed from memory, the rest listed now. A unit
-        this rank's uploader marked again (a repair after a quarantine) is listed again too."""
+        this rank's uploader marked again (a repair after a quarantine) is listed again too.
+
+        Unknown units are listed one by one while they are few (a poll's usual case: the batch just uploaded),
+        and with one listing of the whole job when many are (a launch's first poll knows none): one request per
+        unit there would keep a launch that dies seconds after its restore from ever reaching the reclamation,
+        and what it leaves makes the next launch's first poll longer still."""
         present = unit_ids(self.store)
         with self._lock:
             fresh = set(self._awaited)
         self._committed = {pid: u for pid, u in self._committed.items() if pid in present and pid not in fresh}
+        unknown = [pid for pid in present if pid not in self._committed]
+        if len(unknown) > _LISTED_ONE_BY_ONE:
+            listed = list_units(self.store)
+            return {pid: known if (known := self._committed.get(pid)) is not None else listed.get(pid, UnitListing())
+                    for pid in present}
         return {pid: known if (known := self._committed.get(pid)) is not None else list_unit(self.store, pid)
                 for pid in present}
 

@@ -132,6 +132,24 @@ def test_a_poll_lists_only_the_units_not_known_committed(tmp_path, upload_all):
     assert coord.recovery_point() == 5
 
 
+def test_a_first_poll_lists_the_whole_job_once_not_each_unit(tmp_path, upload_all):
+    """A launch's first poll knows no unit: one request per unit would keep a launch that dies soon after its
+    restore from ever reaching the reclamation."""
+    store = ListingStore(str(tmp_path / "t3"))
+    units = {r: [base(0, r), *(diff(s, s + 4, r) for s in range(1, 50, 5)), base(50, r)] for r in range(WORLD)}
+    for u in upload_all(store, units).values():
+        u.wait(10)
+    coord = Coordinator(store, JOB, WORLD, keep_bases=1, poll_s=30.0)
+    coord.set_watermark(50)
+    coord.poll_once()
+    assert coord.recovery_point() == 50 and coord.newest_base() == 50
+    # One listing of the job to learn the 12 units, one more by the reclamation (and its look at the set-aside
+    # areas): never one per unit.
+    assert store.prefixes == ["", "", "_quarantine/", "_superseded/"]
+    # Base 0 is reclaimed; the diffs after it stay for one more interval (the reclaim policy's rule).
+    assert PayloadId.base(0) not in list_units(store) and len(list_units(store)) == 11
+
+
 def test_the_unit_folders_of_a_store_are_listed_one_level_deep(tmp_path):
     from megatier.checkpoint.commit.records import unit_ids
     from megatier.checkpoint.storage.store import ObjectStore
