@@ -47,7 +47,7 @@ from torch import nn
 from megatier import ops
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
-from megatier.checkpoint.format.units import DIFF, STEP, PayloadId
+from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
 from megatier.checkpoint.policy import replicas
 from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
 from megatier.checkpoint.recover.loops import closed
@@ -504,6 +504,9 @@ class CheckpointManager:
         if final:
             for tier in self.worker.tiers:
                 tier.upload_always(base.version)
+            # A lockstep tier takes one base per step, and this one supersedes a base still waiting for its
+            # hand-over (the capture's, handed on at the last step); the save thread still stores that one.
+            self._handoff = [u for u in self._handoff if not (isinstance(u, PayloadId) and u.kind == BASE)]
         self.worker.submit_base(base)
         self._handoff.append(PayloadId.base(base.version))
         self._last_base = base.version
