@@ -18,6 +18,7 @@ enforces: a module imports only from the rows below its own):
   recover/reshard     restoring the state of another layout
   recover/checkfree   the last resort: a lost pipeline stage rebuilt from its neighbours
   recover/record      the recovery record (failure class, tiers, bytes, timings, steps lost)
+  recover/loops       the restart-loop guard: after repeated failing restores, an older base, then a stop
   recover/restore     restore(): inventory, consensus, cascade, replay, cleanup
   save/worker         SaveWorker: the diff and base streams, serialized once into the first tier
   save/base_capture   when and how a base leaves the optimizer (snapshot, spread, Checkflow-scheduled)
@@ -57,6 +58,7 @@ enforces: a module imports only from the rows below its own):
   format/units        PayloadId (a base, a diff batch or a step unit) and the names every tier derives from it
   format/payload      payload encoding (safetensors), Stamp, xxh64 verification, base and diff-batch codecs
   format/chain        the diff-chain walk every recovery point is computed with
+  format/finite       the NaN/inf check of a unit's tensors: a non-finite base or diff is never a recovery point
   threads             helper threads kept off the training loop's cores
 
   storage/store       the ObjectStore contract, its errors, retry with backoff

@@ -140,7 +140,8 @@ class CheckpointManager:
         self._budget_warned = 0.0
         self._troubled: dict[str, str] = {}  # tier label -> its trouble at the last sync (see _degraded)
         self._step_tiers = [t for t in saving if t.takes_steps] if self.cfg.diff.per_step else []
-        # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes (cadence.py).
+        # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes
+        # (policy/cadence.py).
         worker_tiers = save_thread_tiers([t for t in saving if not t.lockstep],
                                          base_interval=initial_interval(self.cfg),
                                          base_every=self.cfg.remote.base_every, anchor=lambda: self.anchor,

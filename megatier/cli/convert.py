@@ -12,8 +12,8 @@ orientation, the true vocabulary) that ``transformers.GPT2LMHeadModel
 its data used BPE. The state is the one a restore of the job installs at the
 point (by default the newest, as a restore chooses it; ``--step N`` another
 one every rank of some layout reaches), rebuilt in this process from whatever
-layout wrote it (:mod:`.offline_state`), with every unit checksum-verified and
-a bad copy replaced by another tier's (:mod:`.offline_tiers`). The model and
+layout wrote it (:mod:`megatier.checkpoint.offline.state`), with every unit checksum-verified and
+a bad copy replaced by another tier's (:mod:`megatier.checkpoint.offline.tiers`). The model and
 optimizer settings come from the config fingerprint the units carry, so no
 config file is needed. The last line is the state's canonical digest, the
 ``canonical_digest`` of the training run's summary at that step.

@@ -1,9 +1,10 @@
-"""Cross-field checks of the whole config, run before any side effect.
+"""Cross-field checks of the config, run before any side effect.
 
 ``validate`` raises :class:`ConfigError` with a one-line reason naming the
-fields and a fix; it covers every group, the checkpoint group included
-(:mod:`.checkpoint_validation`), so a config that will be rejected never
-creates a process group, a dataset or a wandb run.
+fields and a fix; it covers every group but ``checkpoint``, whose rules live
+with the checkpoint code (:mod:`megatier.checkpoint.policy.rules`, which the
+config layer may not import) and run right after it. Together they reject a
+bad config before it creates a process group, a dataset or a wandb run.
 """
 from __future__ import annotations
 

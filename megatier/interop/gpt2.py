@@ -2,7 +2,7 @@
 
 The canonical state is ``dict[str, torch.Tensor]``: MegaTier parameter name ->
 full, unsharded, unpadded fp32 tensor, for the names of a pp=1 GPTStage
-(``megatier.model.gpt.canonical_shapes``; never ``head_weight``, the tied copy
+(``megatier.model.params.canonical_shapes``; never ``head_weight``, the tied copy
 of ``word.weight``). It is what every layout's shards reassemble to, and what
 ``load_full_state`` cuts into any layout's shards.
 

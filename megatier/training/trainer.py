@@ -79,7 +79,7 @@ class Trainer:
         self.already_finished = False  # restore found the job at or past train.iters
         started = time.time()  # the launch holds its machines from here on (goodput's wall time)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate(cfg, world_size)  # every group, before any side effect
+        validate(cfg, world_size)  # before any side effect: every group but checkpoint, then its own rules
         check_checkpoint_config(cfg.checkpoint)
         self.device = _pick_device(cfg.train.device)
         if self.device.type == "cuda":

@@ -1,7 +1,7 @@
 """The coordinator: global rank 0's background thread for Tier-3 phase 2 and Tier-3 reclamation.
 
 Commits and reclamation run in this one thread so a unit is never committed
-while its objects are being deleted (see :class:`~megatier.checkpoint.commit.records.Committer`).
+while its objects are being deleted (see :class:`~megatier.checkpoint.commit.committer.Committer`).
 The thread polls the store: it commits every unit whose done markers are all
 in, then, once the training loop has published a higher watermark, deletes
 what the watermark made obsolete. Store failures are logged and retried on the

@@ -12,7 +12,7 @@
    OptimConfig. It travels with the units in every tier and names exactly the
    run that wrote them, so no config file or run directory is needed.
 3. The rebuild (:func:`rebuild`): each old rank's base V and its units up to E,
-   read with fallback across copies (:class:`~.offline_tiers.OfflineTiers`),
+   read with fallback across copies (:class:`~megatier.checkpoint.offline.tiers.OfflineTiers`),
    replayed on a stand-alone shard with the same fused kernel as a restore
    (:class:`~megatier.checkpoint.recover.reshard.OldShard`), cut into canonical
    pieces and assembled (:func:`~megatier.optim.canonical.assemble`). So the

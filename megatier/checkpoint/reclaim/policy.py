@@ -16,7 +16,7 @@ at any time is some committed base V >= W plus a diff chain after it, so:
   replacement rank can rebuild from Tier-3 alone even from that older base).
   Uncommitted units below those bounds are leftovers of crashed attempts.
 
-With ``checkpoint.remote.base_every`` = n (:mod:`..cadence`) Tier-3 gets every n-th base and every diff
+With ``checkpoint.remote.base_every`` = n (:mod:`..policy.cadence`) Tier-3 gets every n-th base and every diff
 batch, node memory every base. The sets above need no change, as they are stated in committed bases, not
 intervals: W moves in steps of n intervals; Tier-3 keeps every batch after the committed base before W
 (n intervals back), so the chain from W runs through the bases it skipped to the newest committed batch (the

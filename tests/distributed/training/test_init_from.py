@@ -1,12 +1,16 @@
 """model.init_from at tp=2: each rank's slices are the HF weights and the first loss is HF's."""
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import pytest
 import torch
 
-from megatier.config import Config, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, TrainConfig, WandbConfig
+from megatier.config import ModelConfig
 from megatier.slicing import full_from_shards
 from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 from tests.hf_gpt2 import expected_state, hf_loss, save_random_gpt2
 
@@ -16,11 +20,9 @@ VOCAB = 257  # the byte corpus; padded to 512 rows at tp=2
 MODEL = ModelConfig(name="tiny2", num_layers=2, hidden_size=32, num_heads=4, max_position_embeddings=32)
 
 
-def _worker(rank: int, prefix: str, hf_dir: str, run_dir: str) -> dict:
-    cfg = Config(model=ModelConfig(**{**MODEL.__dict__, "init_from": hf_dir}),
-                 parallel=ParallelConfig(tp=2, timeout_s=60.0), data=DataConfig(prefix=prefix, seq_len=32),
-                 train=TrainConfig(iters=1, global_batch_size=4, micro_batch_size=2, device="cpu", threads=1),
-                 logging=LoggingConfig(run_dir=run_dir, progress=False, wandb=WandbConfig(mode="disabled")))
+def _worker(rank: int, tmp: str, prefix: str) -> dict:
+    model = dataclasses.replace(MODEL, init_from=os.path.join(tmp, "hf"))
+    cfg = tiny_job(tmp, "init-from", prefix, iters=1, tp=2, model=model, train={"global_batch_size": 4})
     trainer = Trainer(cfg)
     out = {"params": {n: (p.detach().clone(), p.tp_partition_dim, p.tp_partition_stride)
                       for n, p in trainer.model.named_parameters()},
@@ -34,7 +36,7 @@ def _worker(rank: int, prefix: str, hf_dir: str, run_dir: str) -> dict:
 @pytest.mark.timeout(120)
 def test_tp2_trainer_starts_from_the_hf_weights(corpus_prefix, tmp_path):
     hf = save_random_gpt2(str(tmp_path / "hf"), MODEL, VOCAB)
-    results = run_world(_worker, 2, tmp_path, corpus_prefix, str(tmp_path / "hf"), str(tmp_path / "run"))
+    results = run_world(_worker, 2, tmp_path, str(tmp_path), corpus_prefix)
     for name, value in expected_state(hf, MODEL.num_layers).items():
         _, dim, stride = results[0]["params"][name]
         full = full_from_shards([res["params"][name][0] for res in results], dim, stride)

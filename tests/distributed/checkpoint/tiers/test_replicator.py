@@ -1,4 +1,4 @@
-"""Tier-2 replication (megatier/checkpoint/peer.py) between spawned gloo processes on simulated nodes.
+"""Tier-2 replication (megatier/checkpoint/tiers/replicator.py) between spawned gloo processes on simulated nodes.
 
 Most worlds are 2 nodes x 2 ranks: ranks 0,1 on node0 and 2,3 on node1, so 0<->2
 and 1<->3 replicate to each other; one world is a ring of 3 nodes (holder !=
