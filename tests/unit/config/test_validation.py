@@ -12,7 +12,8 @@ from tests.conftest import REPO
 
 
 def test_presets_compose_and_validate(compose_config):
-    for model in ("tiny", "small", "gpt2_124m", "gpt2_10b", "gpt2_20b", "gpt2_40b"):
+    for model in ("tiny", "small", "gpt2_124m", "gpt2_10b", "gpt2_20b", "gpt2_40b", "llama_tiny", "llama_small",
+                  "llama3_8b", "llama3_70b"):
         cfg = compose_config(f"model={model}", "data.seq_len=128")
         validate(cfg)
         assert cfg.model.name == model
@@ -26,6 +27,25 @@ def test_paper_presets_have_table2_sizes(compose_config):
         cfg = compose_config(f"model={model}")
         assert abs(count_parameters(cfg.model, 50304) - size) / size < 0.02, model
     assert count_parameters(compose_config("model=tiny").model, 384) < 1_000_000
+
+
+def test_llama_presets_have_llama3_sizes(compose_config):
+    """Llama 3 8B and 70B as published (an untied head over a 128,256-token vocabulary)."""
+    from megatier.model.params import count_parameters
+
+    for model, size in {"llama3_8b": 8.03e9, "llama3_70b": 70.55e9}.items():
+        cfg = compose_config(f"model={model}")
+        assert abs(count_parameters(cfg.model, cfg.model.vocab_size) - size) / size < 0.001, model
+
+
+def test_tp_must_divide_the_key_value_heads(compose_config):
+    """Grouped-query attention splits the kv heads over tp: 4 query heads would divide, 2 kv groups do not."""
+    cfg = compose_config("model=llama_tiny", "parallel.tp=4")
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, world_size=4)
+    message = str(err.value)
+    assert "\n" not in message and "parallel.tp=4" in message and "model.num_query_groups=2" in message, message
+    validate(compose_config("model=llama_tiny", "parallel.tp=2"), world_size=2)
 
 
 def test_unknown_key_is_rejected(compose_config):
