@@ -157,6 +157,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
             "megatier-launch=megatier.cli.launch:main",
             "megatier-plot=megatier.cli.plot:main",
             "megatier-preprocess=megatier.cli.preprocess:main",
+            "megatier-run=megatier.cli.run:main",
             "megatier-topology=megatier.cli.topology:main",
             "megatier-train=megatier.train:main",
         ]},

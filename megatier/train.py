@@ -1,7 +1,7 @@
 """Pre-train a GPT with MegaTier: compose config, build, train, close.
 
     megatier-train model=tiny train.iters=20                    (python pretrain_gpt.py ... is the same)
-    torchrun --nproc-per-node 4 -m megatier.train model=small parallel.tp=2
+    megatier-run --nproc-per-node 4 -m megatier.train model=small parallel.tp=2 (torchrun, but exits as we do)
 
 Arguments are Hydra overrides of the config groups in configs/ (docs/configuration.md). Exit statuses:
 :mod:`megatier.training.outcome`.

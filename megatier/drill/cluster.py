@@ -1,6 +1,6 @@
 """A simulated multi-node cluster on one host: one torchrun agent per node (``megatier-launch``, the drills).
 
-Agent i runs ``python -m torch.distributed.run --nnodes N --nproc-per-node M``
+Agent i runs ``python -m megatier.cli.run --nnodes N --nproc-per-node M`` (torchrun's agent)
 with a c10d rendezvous on 127.0.0.1 at a free port and MEGATIER_NODE_NAME=node{i},
 so its processes believe they share node{i} (and its node memory). The c10d
 rendezvous is what lets a failure drill kill one agent (a node failure) while
@@ -61,9 +61,10 @@ def free_port(span: int = 12000) -> int:
 
 def agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, node_rank: int, port: int,
                   run_id: str, max_restarts: int) -> list[str]:
-    """The torchrun command line of simulated node ``node_rank``."""
+    """The torchrun command line of simulated node ``node_rank`` (``megatier-run``: torchrun's agent, ending
+    with its workers' exit status rather than torchrun's 1)."""
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "megatier.cli.run",
         "--nnodes", str(nodes), "--nproc-per-node", str(procs_per_node),
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
         # Exactly one agent hosts the rendezvous store; the others are clients of it.

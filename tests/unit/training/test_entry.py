@@ -99,6 +99,18 @@ def test_a_changed_config_is_refused_in_one_line(tmp_path, corpus_prefix):
     assert "optim.lr" in proc.stderr and "checkpoint.allow_changes=[optim.lr]" in proc.stderr
 
 
+def test_an_init_from_of_another_shape_is_refused_in_one_line(tmp_path, corpus_prefix):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    proc = _train([*_common(tmp_path, corpus_prefix), "train.iters=2", f"model.init_from={tmp_path}/hf"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
+    assert "n_layer=1" in proc.stderr and "set model.num_layers=1" in proc.stderr
+
+
 def test_ctrl_c_stops_after_the_step_and_says_where_to_resume(tmp_path, corpus_prefix):
     args = _common(tmp_path, corpus_prefix)
     cmd = [sys.executable, "-m", "megatier.train", *args, "train.iters=100000"]
