@@ -146,10 +146,10 @@ class Coordinator:
         unknown = [pid for pid in present if pid not in self._committed]
         if len(unknown) > _LISTED_ONE_BY_ONE:
             listed = list_units(self.store)
-            return {pid: known if (known := self._committed.get(pid)) is not None else listed.get(pid, UnitListing())
-                    for pid in present}
-        return {pid: known if (known := self._committed.get(pid)) is not None else list_unit(self.store, pid)
-                for pid in present}
+            looked_up = {pid: listed.get(pid, UnitListing()) for pid in unknown}
+        else:
+            looked_up = {pid: list_unit(self.store, pid) for pid in unknown}
+        return {pid: looked_up[pid] if pid in looked_up else self._committed[pid] for pid in present}
 
     def poll_once(self) -> None:
         """One round: learn what is committed, commit what is complete, reclaim if the watermark moved."""
