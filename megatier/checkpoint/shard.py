@@ -116,8 +116,9 @@ class ShardAccess:
                  cfg: DiffStreamConfig) -> tuple[DiffStep, int]:
         """One step's diff record from :meth:`consumed`'s values; returns it and its tensor bytes.
 
-        Compresses where the gradient lives (on a GPU, the record is copied to
-        the host later, by the save thread, and is ~1% of the gradient's size).
+        Compresses where the gradient lives; on a GPU without waiting for it until
+        the record (~1% of the gradient's size) is copied to the host in one
+        transfer (:mod:`megatier.ops.batched`).
 
         A lossy codec compresses the gradient plus the residual, what the records
         since the last base left out, and keeps the new residual (error feedback):

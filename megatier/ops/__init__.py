@@ -3,6 +3,8 @@
     codecs       INT8 and top-k codecs with their inverses
     records      CompressedRecord (one compressed gradient shard) and its serialization
     compression  compress_segments / decompress_segments: a shard per parameter segment; planned_record
+    batched      a shard's compression as one fixed sequence of tensor ops with no host sync (the GPU's path),
+                 bitwise the CPU kernel's records
     adamw        adamw_step and the fused multi-step adamw_replay
     reference    the pure-torch reference of every kernel
     _native      loading the compiled extension, or warning and falling back

@@ -77,15 +77,6 @@ def _check_ratio(ratio: Any, op: str) -> float:
     return ratio
 
 
-def _signed64(v: int) -> int:
-    v &= 0xFFFFFFFFFFFFFFFF
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-def _chunk_seed(seed: int, seg: int, chunk: int) -> int:
-    """Seed of chunk ``chunk`` of top-k segment ``seg`` (mirrors megatier/csrc/common.h)."""
-    return _signed64(seed + seg * 1000003 + chunk)
-
 # ---------------------------------------------------------------------------
 # Codecs
 
@@ -181,12 +172,12 @@ def sparsify_topk(
     chunk_size = _check_int(chunk_size, op, "chunk_size", 1, TOPK_CHUNK_ELEMS)
     n = x.numel()
     if n <= chunk_size:
-        values, indices = _sparsify_chunk(x, ratio, sample_size, _signed64(seed))
+        values, indices = _sparsify_chunk(x, ratio, sample_size, reference.signed64(seed))
         counts = torch.tensor([values.numel()] if n else [], dtype=torch.int64)
         return TopK(values, indices, counts)
     vals, idxs, counts = [], [], []
     for c, start in enumerate(range(0, n, chunk_size)):
-        v, i = _sparsify_chunk(x[start : start + chunk_size], ratio, sample_size, _chunk_seed(seed, 0, c))
+        v, i = _sparsify_chunk(x[start : start + chunk_size], ratio, sample_size, reference.chunk_seed(seed, 0, c))
         vals.append(v)
         idxs.append(i)
         counts.append(v.numel())

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from megatier.ops import _native, reference
+from megatier.ops import _native, batched, reference
 from megatier.ops.codecs import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_RATIO,
@@ -22,11 +22,7 @@ from megatier.ops.codecs import (
     TOPK_CHUNK_ELEMS,
     _check_int,
     _check_ratio,
-    _chunk_seed,
-    _signed64,
-    _sparsify_chunk,
     check_flat,
-    quantize_int8,
 )
 from megatier.ops.records import CODEC_KIND, PIECE_INT8, PIECE_TOPK, POOLS, RECORD_FORMAT, CompressedRecord
 
@@ -91,6 +87,9 @@ def compress_segments(
     ``flat.add_(addend)`` first, but on CPU folded into the compression's own pass over ``flat`` (error
     feedback's residual plus a step's gradient: one read of the 4-byte-per-element shard fewer, which matters
     when the shard is not in cache).
+
+    On a GPU :mod:`megatier.ops.batched` codes the shard without waiting for the device, and the record comes
+    back in (pinned) host memory after one transfer.
     """
     op = "compress_segments"
     check_flat(flat, op, "flat")
@@ -111,13 +110,16 @@ def compress_segments(
         h = header
         codes, scales, tv, ti, tc, bf, fp = _native.lib().compress_segments(
             flat, offsets, numels, [CODEC_KIND[c] for c in codecs], h["ratio"], h["block_size"], h["sample_size"],
-            _signed64(h["seed"]), h["chunk_size"], feedback, addend)
+            reference.signed64(h["seed"]), h["chunk_size"], feedback, addend)
         pools, chunk_counts = dict(zip(POOLS, (codes, scales, tv, ti, bf, fp))), tc.tolist()
-    else:
-        pools, chunk_counts = _compress_reference(flat, offsets, numels, codecs, header)
+    elif flat.device.type == "cpu":  # without the extension: segment by segment, the definition
+        pools, chunk_counts = reference.compress_pools(flat, offsets, numels, codecs, header)
+    else:  # a GPU: the whole shard at once, feedback included, then one copy to the host
+        pools, counts, plan = batched.compress_pools(flat, offsets, numels, codecs, header, feedback)
+        pools, chunk_counts = batched.PendingRecord(pools, counts, plan).wait()
     header["segments"] = _segment_table(offsets, numels, codecs, chunk_counts, header)
     record = CompressedRecord(header, {name: t for name, t in pools.items() if t.numel()})
-    if feedback and not native:
+    if feedback and not native and flat.device.type == "cpu":
         flat.sub_(decompress_segments(record))
     return record
 
@@ -179,32 +181,6 @@ def planned_record(
     header["segments"] = _segment_table(offsets, list(numels), codecs, counts, header)
     return CompressedRecord(header, {name: torch.empty(n, dtype=POOLS[name], device="meta")
                                      for name, n in sizes.items() if n})
-
-
-def _compress_reference(flat: torch.Tensor, offsets: list[int], numels: list[int], codecs: list[str],
-                        h: dict) -> tuple[dict[str, torch.Tensor], list[int]]:
-    """The pools (in :data:`POOLS` order) and top-k chunk counts, coded segment by segment in torch."""
-    parts: dict[str, list[torch.Tensor]] = {k: [] for k in POOLS}
-    chunk_counts = []
-    for s, (off, num, codec) in enumerate(zip(offsets, numels, codecs)):
-        x = flat[off : off + num]
-        if codec == "int8":
-            c, sc = quantize_int8(x, h["block_size"])
-            parts["int8_codes"].append(c)
-            parts["int8_scales"].append(sc)
-        elif codec == "topk":
-            for ci, start in enumerate(range(0, num, h["chunk_size"])):
-                v, i = _sparsify_chunk(x[start : start + h["chunk_size"]], h["ratio"], h["sample_size"],
-                                       _chunk_seed(h["seed"], s, ci))
-                parts["topk_values"].append(v)
-                parts["topk_indices"].append(i)
-                chunk_counts.append(v.numel())
-        elif codec == "bf16":
-            parts["bf16_values"].append(x.to(torch.bfloat16))
-        else:
-            parts["fp32_values"].append(x.clone())
-    pools = {name: torch.cat(p) if p else flat.new_empty(0, dtype=POOLS[name]) for name, p in parts.items()}
-    return pools, chunk_counts
 
 
 def _segment_table(offsets: list[int], numels: list[int], codecs: list[str], chunk_counts: list[int],

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 
@@ -119,6 +120,17 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, block_size: int) 
     return (cb.to(torch.float32) * scales[:, None]).view(-1)[:n].contiguous()
 
 
+def signed64(v: int) -> int:
+    """``v`` as the C kernels' int64 (two's complement of its low 64 bits)."""
+    v &= 0xFFFFFFFFFFFFFFFF
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def chunk_seed(seed: int, seg: int, chunk: int) -> int:
+    """Seed of chunk ``chunk`` of top-k segment ``seg`` (mirrors ``megatier/csrc/common.h``)."""
+    return signed64(seed + seg * 1000003 + chunk)
+
+
 def topk_target(n: int, ratio: float) -> int:
     """Number of entries a top-k at ``ratio`` aims to keep out of ``n`` (at least 1, at most n)."""
     if n <= 0:
@@ -131,15 +143,53 @@ def magnitude_keys(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32) & 0x7FFFFFFF
 
 
+SAMPLE_RUN = 16  # elements per sampled run (one 64-byte line of fp32)
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def effective_sample_size(n: int, sample_size: int) -> int:
+    """Elements sampled for a chunk of ``n``: ``sample_size``, but no more than ``n / 64`` (and no fewer than
+    2048), so that sampling stays a small fraction of the pass over the chunk."""
+    return min(sample_size, max(2048, n // 64))
+
+
+def sample_run_starts(n: int, sample_size: int, seed: int) -> np.ndarray:
+    """Starts (int64, ascending) of the :data:`SAMPLE_RUN`-element runs a chunk of ``n`` samples: one random
+    line in each of ``ceil(sample_size / SAMPLE_RUN)`` equal strata of the chunk's lines, drawn by splitmix64
+    from ``seed`` (the same positions as the CPU and CUDA kernels, ``megatier/csrc/common.h``)."""
+    nruns = -(-sample_size // SAMPLE_RUN)
+    nlines = -(-n // SAMPLE_RUN)
+    r = np.arange(nruns, dtype=object)
+    lo = (r * nlines // nruns).astype(np.int64)
+    hi = ((r + 1) * nlines // nruns).astype(np.int64)
+    with np.errstate(over="ignore"):
+        z = np.uint64(seed % 2**64) + (np.arange(1, nruns + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+        z ^= z >> np.uint64(31)
+    keep = hi > lo
+    span = (hi - lo)[keep].astype(np.uint64)
+    return (lo[keep] + (z[keep] % span).astype(np.int64)) * SAMPLE_RUN
+
+
+def sample_positions(n: int, sample_size: int, seed: int) -> np.ndarray:
+    """The element positions (int64) whose magnitudes set a chunk's sampled threshold: every element of each
+    run of :func:`sample_run_starts` (for ``effective_sample_size``), the last run cut at the chunk's end."""
+    starts = sample_run_starts(n, effective_sample_size(n, sample_size), seed)
+    pos = (starts[:, None] + np.arange(SAMPLE_RUN, dtype=np.int64)).reshape(-1)
+    return pos[pos < n]
+
+
 def sparsify_topk(x: torch.Tensor, ratio: float, sample_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sampled-threshold top-k of one chunk (``x.numel() <= 2**31 - 1``).
 
-    The threshold is the ``ratio`` quantile of the magnitudes of a seeded random
-    sample (exact when ``n <= sample_size``); every element at or above it is kept.
-    If the kept count is outside ``[k / 2, 2 k]`` (``k = topk_target(n, ratio)``)
-    the threshold is made exact: the k largest magnitudes are kept, ties going to
-    the lowest indices. Exact zeros are never kept. Returns ``(values fp16, indices int32)``
-    with indices ascending.
+    ``k = topk_target(n, ratio)``. With ``k >= n`` every nonzero element is kept. With ``n > sample_size``
+    the threshold is the ``topk_target(S, ratio)``-th largest magnitude key of the ``S`` elements at
+    :func:`sample_positions` (at least 1: exact zeros are never kept), and every element at or above it is
+    kept, if that keeps between ``k / 2`` and ``2 k``. Otherwise (and for ``n <= sample_size``) the threshold
+    is exact: the k largest magnitudes, ties going to the lowest indices (all nonzeros when fewer than k
+    exist). Returns ``(values fp16, indices int32)`` with indices ascending.
     """
     n = x.numel()
     if n == 0:
@@ -150,10 +200,8 @@ def sparsify_topk(x: torch.Tensor, ratio: float, sample_size: int, seed: int) ->
     if k >= n:
         mask = keys >= 1
     elif n > sample_size:
-        gen = torch.Generator().manual_seed(int(seed) & 0x7FFFFFFFFFFFFFFF)
-        sample = keys[torch.randint(0, n, (sample_size,), generator=gen).to(x.device)]
-        ks = topk_target(sample_size, ratio)
-        t = max(int(torch.kthvalue(sample.cpu(), sample_size - ks + 1).values), 1)
+        sample = keys[torch.from_numpy(sample_positions(n, sample_size, seed)).to(x.device)].cpu()
+        t = max(int(torch.kthvalue(sample, sample.numel() - topk_target(sample.numel(), ratio) + 1).values), 1)
         mask = keys >= t
         c = int(mask.sum())
         if not (2 * c >= k and c <= 2 * k):
@@ -186,3 +234,31 @@ def densify(values: torch.Tensor, indices: torch.Tensor, n: int, chunk_counts=No
         idx = idx + torch.repeat_interleave(base, counts)
     out[idx] = values.to(torch.float32)
     return out
+
+
+def compress_pools(flat: torch.Tensor, offsets: list[int], numels: list[int], codecs: list[str],
+                   h: dict) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """A record's pools (by name; those no segment uses left out) and top-k chunk counts, coded segment by
+    segment: the definition the batched and compiled paths reproduce bitwise. ``h``: the record header."""
+    parts: dict[str, list[torch.Tensor]] = {k: [] for k in
+                                            ("int8_codes", "int8_scales", "topk_values", "topk_indices",
+                                             "bf16_values", "fp32_values")}
+    chunk_counts = []
+    for s, (off, num, codec) in enumerate(zip(offsets, numels, codecs)):
+        x = flat[off : off + num]
+        if codec == "int8":
+            codes, scales = quantize_int8(x, h["block_size"])
+            parts["int8_codes"].append(codes)
+            parts["int8_scales"].append(scales)
+        elif codec == "topk":
+            for ci, start in enumerate(range(0, num, h["chunk_size"])):
+                v, i = sparsify_topk(x[start : start + h["chunk_size"]], h["ratio"], h["sample_size"],
+                                     chunk_seed(h["seed"], s, ci))
+                parts["topk_values"].append(v)
+                parts["topk_indices"].append(i)
+                chunk_counts.append(v.numel())
+        elif codec == "bf16":
+            parts["bf16_values"].append(x.to(torch.bfloat16))
+        else:
+            parts["fp32_values"].append(x.clone())
+    return {name: torch.cat(p) for name, p in parts.items() if p}, chunk_counts
