@@ -11,12 +11,15 @@
 #   build     the carried wheels installed with no index into a folder on PYTHONPATH; megatier._C built with
 #             CUDA for sm_90 in place (a prebuilt build/gpu-prebuilt/_C*.so if the build fails)
 #   tests     pytest tests/gpu (the CUDA kernels against the CPU ones, the NCCL tiered run, the lossless drill)
+#   compress  bench_compression: a 124M-element shard compressed the batched way (no host sync) and chunk by
+#             chunk, time and host syncs side by side (compress.json beside the log)
 #   bench     bench_overhead on gpt2_124m, bf16, seq 1024: none, megatier (a diff every step, a base every
 #             50), DCP async_save and torch.save every 25 (bench.json beside the log)
 #   recovery  bench_recovery's software drill on the GPU
 # Dry: the pure-Python wheels into a temporary folder, setup.py's build settings read (GPU_CHECK_BUILD=1 also
 # builds the CPU kernels in a copy of the tree: minutes on 2 cores, which make install spends already), tests/gpu
-# collected, the benchmark's megatier row on model=tiny for 3 steps on the CPU.
+# collected, bench_compression on 1M elements and the benchmark's megatier row on model=tiny for 3 steps, both on
+# the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
@@ -51,6 +54,7 @@ if [ "$DRY" = 1 ]; then
             cd \$copy && MEGATIER_CUDA=0 MAX_JOBS=2 $PY setup.py -q build_ext --inplace && ls megatier/_C*.so
         fi"
     phase tests 120 "$PY -m pytest -q -p no:cacheprovider --collect-only tests/gpu"
+    phase compress 60 "$PY benchmarks/bench_compression.py --device cpu --size 1M --reps 1"
     phase bench 300 "set -e
         $PY benchmarks/bench_overhead.py --model tiny --rows megatier --repeats 1 --iters 3 --warmup 1 \
             --out-json $OUT/bench.json -- train.device=cpu data.default_corpus_mib=1 data.seq_len=64
@@ -69,6 +73,7 @@ else
         fi
         $PY -c 'import torch, megatier._C as c; print(\"megatier._C\", c.__file__, \"cuda\", c.WITH_CUDA)'"
     phase tests 240 "$PY -m pytest -q -p no:cacheprovider -x tests/gpu"
+    phase compress 60 "$PY benchmarks/bench_compression.py --device cuda --size 124M --reps 5 --json $OUT/compress.json"
     phase bench 300 "set -e
         $PY benchmarks/bench_overhead.py --model gpt2_124m --rows none,megatier,dcp_async_save,sync_torch_save \
             --k 25 --repeats 1 --iters 60 --warmup 20 --base-interval 50 --out-json $OUT/bench.json -- \
