@@ -18,6 +18,7 @@ from megatier.drill.job import (
     node_memory_root,
     read_metrics,
     recovery_record,
+    recovery_timeline,
     stage_ranks,
     summary_record,
     wipe_ranks,
@@ -77,14 +78,19 @@ def run_drill(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict], in
         if recoveries[-1].problems:
             return recoveries, read_metrics(job), status
         if k > 0:
-            recoveries[k - 1].record = recovery_record(read_metrics(job))
+            _read_recovery(recoveries[k - 1], read_metrics(job))
     survivors = spec.nodes - len(spec.victims()) if spec.no_spare else spec.nodes
     status = launch(spec.launch.on(survivors), job, f"launch{len(recoveries)}-finish")
     final = read_metrics(job)
-    recoveries[-1].record = recovery_record(final)
+    _read_recovery(recoveries[-1], final)
     for rec in recoveries:
         check_recovery(spec, job, rec)
     return recoveries, final, status
+
+
+def _read_recovery(rec: Recovery, records: list[dict]) -> None:
+    """The recovery record and timing the launch after a failure logged."""
+    rec.record, rec.timeline = recovery_record(records), recovery_timeline(records)
 
 
 def run_reference(spec: DrillSpec, stop_at: Optional[int] = None, decay_iters: Optional[int] = None) -> dict:
@@ -175,6 +181,7 @@ def _drill_and_judge(spec: DrillSpec, job: Job) -> DrillResult:
     data = {"ok": not problems, "problems": problems, "fail": spec.fail, "at_steps": list(spec.at_steps),
             "nodes": spec.nodes, "procs_per_node": spec.procs_per_node, "no_spare": spec.no_spare,
             "work_dir": job.work, "run_dir": job.run_dir, "recoveries": [r.record for r in recoveries],
+            "recovery_timelines": [r.timeline for r in recoveries],
             "notes": [n for r in recoveries for n in r.notes], "final_loss": final.get("loss"),
             "final_digest": final.get("state_digest"), "final_val_loss": final.get("val_loss"), "stall": stall,
             "plots": plots, "goodput": goodput_fields(final),

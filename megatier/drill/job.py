@@ -137,6 +137,13 @@ def recovery_record(records: list[dict]) -> Optional[dict]:
     return found[0] if found else None
 
 
+def recovery_timeline(records: list[dict]) -> Optional[dict]:
+    """The ``recovery_*`` fields of the first step after the launch's restore (the goodput ledger's timing of
+    the recovery, from the failure to that step), or None."""
+    found = [r for r in records if "recovery_total_s" in r]
+    return {k: v for k, v in found[0].items() if k.startswith("recovery_")} if found else None
+
+
 def summary_record(records: list[dict]) -> dict:
     found = [r for r in records if r.get("event") == "summary"]
     return found[-1] if found else {}

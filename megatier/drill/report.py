@@ -20,6 +20,7 @@ class Recovery:
     at_step: int
     crash_status: int
     record: Optional[dict] = None
+    timeline: Optional[dict] = None  # the recovery_* timing of the first step after it
     problems: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -176,6 +177,17 @@ def _checkfree_lines(r: dict) -> list[str]:
             f"the run differs from the one that failed from step {cf['at_step']} on (inexact_since in its metrics)"]
 
 
+def _timeline_lines(t: Optional[dict]) -> list[str]:
+    if not t:
+        return []
+    n = t["recovery_steps_rerun"]
+    return [f"    failure to the first step after it {_seconds(t['recovery_total_s'])} ({t['recovery_mode']}): "
+            f"detection {_seconds(t['recovery_detection_s'])} (the launcher saw it, stopped the rest, started anew), "
+            f"re-form {_seconds(t['recovery_reform_s'])} (imports, process groups, model, tiers), restore "
+            f"{_seconds(t['recovery_restore_s'])}, rerun {_seconds(t['recovery_rerun_s'])} (step E+1; {n} step"
+            f"{'' if n == 1 else 's'} lay between E and the failure)"]
+
+
 def format_report(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: dict, status: int,
                   reference: Optional[dict], problems: list[str], stall: Optional[dict] = None) -> str:
     """The human-readable drill report."""
@@ -206,7 +218,7 @@ def format_report(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: 
             f"{_mib(r['bytes_tier2'])}, tier3 {_mib(r['bytes_tier3'])}",
             f"    t_consensus {r['t_consensus_s']:.3f} s, t_rollback {r['t_rollback_s']:.3f} s, t_replay "
             f"{r['t_replay_s']:.3f} s" + (f"; fallbacks: {'; '.join(r['fallbacks'])}" if r.get("fallbacks") else ""),
-            *_checkfree_lines(r)]
+            *_checkfree_lines(r), *_timeline_lines(rec.timeline)]
         lines += [f"    note: {n}" for n in rec.notes]
     if final:
         lines.append(f"  final: step {final.get('step')} loss {final.get('loss', float('nan')):.6f} val_loss "

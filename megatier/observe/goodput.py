@@ -30,6 +30,10 @@ folded into one total; the rest stay in ``window`` one by one, at most :data:`MA
 are folded too). A restore behind the folded steps (a fresh start, a wiped Tier-3) counts them at
 their mean time.
 
+A launch that restores after a failure also times that recovery, from the failure (the failed launch's last
+update: its last completed step) to the end of the first step after the restore, in four parts that add up
+(:class:`RecoveryTimeline`); its first step record carries them as ``recovery_*_s``.
+
 One launch, as the Trainer drives it:
 
     ledger = GoodputLedger.open(run_dir, job_id, fingerprint, started=t0)   # in the Trainer's constructor
@@ -113,6 +117,44 @@ def _recovery_seconds(record: Optional[dict]) -> float:
     return sum(float(record.get(k) or 0.0) for k in ("t_consensus_s", "t_rollback_s", "t_replay_s"))
 
 
+def process_started() -> Optional[float]:
+    """The wall-clock time this process started (Linux: its start in ``/proc/self/stat`` against the boot
+    clock, to the kernel's clock tick), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()  # the name may hold spaces; field 22 is starttime
+        since_boot = int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - since_boot)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+@dataclass
+class RecoveryTimeline:
+    """One recovery by relaunch, from the failure to the first step after it (wall-clock times).
+
+    detection  the failure -> this process started: the launcher saw the failure, stopped the other
+               processes and started this one
+    reform     -> the restore began: interpreter, imports, rendezvous, process groups, data, model,
+               checkpointer and tiers
+    restore    the recovery record's consensus + rollback + replay (the slowest rank's each)
+    rerun      the restore's end -> the end of the first step after it (``steps_rerun`` steps lay between
+               the recovered end E and the failure, and are computed again)"""
+
+    failed_at: float
+    process_started: float
+    restored_at: float
+    restore_s: float
+    steps_rerun: int
+
+    def fields(self, now: float) -> dict:
+        detection = max(0.0, self.process_started - self.failed_at)
+        reform = max(0.0, self.restored_at - self.restore_s - max(self.process_started, self.failed_at))
+        return {"recovery_mode": "relaunch", "recovery_detection_s": detection, "recovery_reform_s": reform,
+                "recovery_restore_s": self.restore_s, "recovery_rerun_s": max(0.0, now - self.restored_at),
+                "recovery_total_s": max(0.0, now - self.failed_at), "recovery_steps_rerun": self.steps_rerun}
+
+
 def _set_aside(path: str) -> None:
     try:
         os.replace(path, path + ".corrupt")
@@ -124,10 +166,12 @@ class GoodputLedger:
     """The job's goodput ledger, kept by the metrics writer (global rank 0); see the module docstring."""
 
     def __init__(self, path: str, job_id: str, fingerprint: str, *, started: float, prior: Optional[LedgerState],
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, process_started: Optional[float] = None):
         self.path = path
         self.job_id, self.fingerprint = job_id, fingerprint
         self.started = started  # when this launch began to hold its machines
+        self.process_started = started if process_started is None else process_started
+        self.timeline: Optional[RecoveryTimeline] = None  # this launch's recovery, until its first step
         self.prior = prior  # the file as this launch found it (None: no usable ledger)
         self.clock = clock
         self.state: Optional[LedgerState] = None  # set by resume()
@@ -137,7 +181,7 @@ class GoodputLedger:
 
     @classmethod
     def open(cls, run_dir: str, job_id: str, fingerprint: str, *, started: float,
-             clock: Callable[[], float] = time.time) -> GoodputLedger:
+             clock: Callable[[], float] = time.time, process_started: Optional[float] = None) -> GoodputLedger:
         """Load ``<run_dir>/goodput.json`` if there is one. A file that is not a ledger gets one warning, is kept
         as ``goodput.json.corrupt`` and the ledger starts afresh: it only feeds metrics, the training state does
         not depend on it, so carrying on is safe (the time before this launch is then not counted)."""
@@ -151,7 +195,8 @@ class GoodputLedger:
                 _set_aside(path)
                 log.warning("goodput: %s is not a readable ledger (%s); kept as %s.corrupt, counting goodput afresh "
                             "from this launch", path, e, path)
-        return cls(path, job_id, fingerprint, started=started, prior=prior, clock=clock)
+        return cls(path, job_id, fingerprint, started=started, prior=prior, clock=clock,
+                   process_started=process_started)
 
     @property
     def continues_clean_exit(self) -> bool:
@@ -186,6 +231,9 @@ class GoodputLedger:
                 p.mark = self.started  # nothing was held between a clean exit and this launch
             else:
                 p.restarts += 1  # the gap since its last update is restart, accounted at the first step
+                if recovery is not None:
+                    self.timeline = RecoveryTimeline(p.mark, self.process_started, self.clock(),
+                                                     _recovery_seconds(recovery), max(0, p.last_step - start_step))
             p.fingerprint, p.closed = self.fingerprint, False
         self.state.launches += 1
         self._reconcile(start_step)
@@ -223,7 +271,11 @@ class GoodputLedger:
         s.last_step = step
         self._fold(record.get("rpo_rack"))
         self._persist()
-        return self.fields()
+        out = self.fields()
+        if self.timeline is not None:
+            out.update(self.timeline.fields(s.mark))
+            self.timeline = None
+        return out
 
     def close(self, drain_s: float = 0.0) -> dict:
         """The launch ends cleanly: the final checkpoint drain is stall, the rest other (restart if the launch

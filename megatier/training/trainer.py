@@ -38,7 +38,7 @@ from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
 from megatier.model.params import stage_spec
 from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
-from megatier.observe.goodput import GoodputLedger, NullLedger
+from megatier.observe.goodput import GoodputLedger, NullLedger, process_started
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW, Reduced
 from megatier.optim.canonical import ShardState
@@ -202,7 +202,8 @@ class Trainer:
         if self.ps.rank != 0:
             return NullLedger()
         fingerprint = fingerprint_hash(state_fingerprint(self.cfg, self.data_checksum))
-        return GoodputLedger.open(self.cfg.logging.run_dir, self.cfg.checkpoint.job_id, fingerprint, started=started)
+        return GoodputLedger.open(self.cfg.logging.run_dir, self.cfg.checkpoint.job_id, fingerprint, started=started,
+                                  process_started=process_started())
 
     # ---- one step -----------------------------------------------------------------------------
 

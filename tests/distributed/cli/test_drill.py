@@ -56,7 +56,8 @@ def drill(tmp_path: Path, *args: str, overrides=DRILL) -> dict:
 def assert_goodput_adds_up(report: dict) -> None:
     """The summary's goodput parts add up to the wall time the ledger held, which lies between the steps' own
     time and the drill's; the lost work is the steps the drill lost, at the times they took in the launch that
-    failed (metrics.1.jsonl), about steps lost times its mean step time; restore is the recovery record's."""
+    failed (metrics.1.jsonl), about steps lost times its mean step time; restore is the recovery record's. The
+    recovery's timing (failure to the first step after it) adds up too."""
     run = Path(report["run_dir"])
     (rec,) = report["recoveries"]
     launches = [[json.loads(line) for line in (run / name).read_text().splitlines() if line.strip()]
@@ -76,6 +77,15 @@ def assert_goodput_adds_up(report: dict) -> None:
     assert parts["productive"] == pytest.approx(sum(r["iter_time_s"] for r in steps[0] if r["step"] <= rec["end"])
                                                 + sum(r["iter_time_s"] for r in steps[1]), rel=1e-6)
     assert "  goodput: " in report["stdout"]
+    # The recovery's own timing, from the failed launch's last step to the relaunch's first: parts that add up.
+    (timeline,) = report["recovery_timelines"]
+    split = [timeline[f"recovery_{p}_s"] for p in ("detection", "reform", "restore", "rerun")]
+    assert all(t >= 0 for t in split) and sum(split) == pytest.approx(timeline["recovery_total_s"], abs=1e-6)
+    assert timeline["recovery_detection_s"] > 0 and timeline["recovery_reform_s"] > 1.0  # a relaunch: imports
+    assert timeline["recovery_restore_s"] == pytest.approx(parts["restore"])  # the recovery record's
+    assert timeline["recovery_steps_rerun"] == rec["steps_lost_drill"]
+    assert timeline["recovery_total_s"] < report["seconds"]
+    assert "failure to the first step after it" in report["stdout"]
 
 
 def run_job(work: Path, overrides: list[str], *, nodes: int, procs: int, env: dict | None = None,

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import pytest
 import torch.distributed as dist
 
-from megatier.observe.goodput import FILENAME, MAX_WINDOW, PARTS, GoodputLedger
+from megatier.observe.goodput import FILENAME, MAX_WINDOW, PARTS, GoodputLedger, process_started
 
 STEP_S, STALL_S, BOOKKEEPING_S = 0.10, 0.01, 0.002
 
@@ -210,3 +211,45 @@ def test_the_trainer_logs_goodput_every_step_and_in_the_summary(tiny_config):
     assert summary["goodput_productive_s"] == pytest.approx(sum(r["iter_time_s"] for r in steps), rel=1e-9)
     assert summary["goodput_eval_s"] == pytest.approx(
         sum(r.get("eval_time_s", 0.0) for r in crashed + steps), rel=1e-9)
+
+
+def test_a_relaunch_times_its_recovery_from_the_failure_to_its_first_step_in_parts_that_add_up(tmp_path):
+    clock = Clock()
+    ledger = _open(tmp_path, clock)
+    ledger.resume(0)
+    _train(ledger, clock, range(1, 11))
+    failed_at = clock()  # killed right after step 10's update
+    clock.t += 2.5  # the launcher notices, stops the others, starts the job again
+    started = clock()
+    clock.t += 4.0  # imports, process groups, data, model, checkpointer
+    relaunch = GoodputLedger.open(str(tmp_path), "job", "fp", started=clock(), clock=clock, process_started=started)
+    clock.t += 0.6  # the restore
+    relaunch.resume(7, {"event": "recovery", "end": 7, "t_consensus_s": 0.1, "t_rollback_s": 0.2, "t_replay_s": 0.3})
+    fields = _train(relaunch, clock, [8])
+    assert fields["recovery_mode"] == "relaunch"
+    assert fields["recovery_detection_s"] == pytest.approx(2.5)
+    assert fields["recovery_reform_s"] == pytest.approx(4.0)
+    assert fields["recovery_restore_s"] == pytest.approx(0.6)
+    assert fields["recovery_rerun_s"] == pytest.approx(BOOKKEEPING_S + STEP_S + STALL_S)
+    parts = ("detection", "reform", "restore", "rerun")
+    assert sum(fields[f"recovery_{p}_s"] for p in parts) == pytest.approx(fields["recovery_total_s"])
+    assert fields["recovery_total_s"] == pytest.approx(clock() - failed_at)
+    assert fields["recovery_steps_rerun"] == 3  # steps 8-10 again
+    assert "recovery_total_s" not in _train(relaunch, clock, [9])  # once, on the first step after the restore
+
+
+def test_a_continuation_after_a_clean_exit_times_no_recovery(tmp_path):
+    clock = Clock()
+    ledger = _open(tmp_path, clock)
+    ledger.resume(0)
+    _train(ledger, clock, range(1, 4))
+    ledger.close()
+    clock.t += 60.0
+    again = _open(tmp_path, clock)
+    again.resume(3, {"event": "recovery", "end": 3, "t_consensus_s": 0.1})
+    assert not any(k.startswith("recovery_") for k in _train(again, clock, [4]))
+
+
+def test_the_process_start_is_read_from_the_system():
+    started = process_started()
+    assert started is not None and time.time() - 600 < started <= time.time()
