@@ -27,10 +27,14 @@ Phases, per rank (each rank does the same work on the same data):
   consensus  decide(): V, E, every rank's chain and the copies of each unit
   plan       every cascade round's candidate lists (Fetcher.plan)
   status     the status gathers of the cascade's rounds (bytes per rank)
+  round      in-process recovery's membership round on an in-memory store:
+             every survivor joins (CPU per join), the spare node's ranks join
+             as spares, the lost node's processes are reported dead; the
+             deciding survivor reads the member list once and assigns the
+             ranks (its CPU); every member reads the decision (bytes per rank)
 
-The membership round of in-process recovery is not part of it yet. Figures are
-CPU seconds of this one thread (time.process_time) and bytes; they do not
-depend on the machine's load.
+Figures are CPU seconds of this one thread (time.process_time) and bytes; they
+do not depend on the machine's load.
 
     python benchmarks/bench_control_plane.py                      # 1k, 16k, 100k ranks (~10 min, ~8 GiB)
     python benchmarks/bench_control_plane.py --ranks 1024,2048 --out-json cp.json
@@ -46,13 +50,17 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Callable
 
+import torch.distributed as dist
+
 from megatier.checkpoint.format.payload import Stamp
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.cascade import Fetcher
 from megatier.checkpoint.recover.consensus import decide
 from megatier.checkpoint.recover.inventory import Inventory, merge, share_of
 from megatier.checkpoint.tiers.base import JOB, NODE, TIER1, TIER2, TIER3, Copy, Listing
+from megatier.parallel.assignment import Member
 from megatier.parallel.layout import Layout, coordinates_of
+from megatier.parallel.membership import MembershipRound
 
 TP, PP, PER_NODE = 8, 16, 8
 JOB_ID = b"gpt-llama-70b"
@@ -140,6 +148,26 @@ def exchange(world: World, rank_nodes: list[str]) -> tuple[Inventory, dict]:
     return inv, {**sizes, "cpu_s": {"listing": build_s / world.nodes, "unpickle": unpickle_s, "merge": merge_s}}
 
 
+def membership_round(world: World) -> dict:
+    """The round after the lost node: survivors and the spare node's processes join, the decider decides."""
+    store = dist.HashStore()
+    members = [Member(f"node{r // PER_NODE}/{r % PER_NODE}", f"node{r // PER_NODE}") for r in range(world.ranks)]
+    lost = set(range(world.lost * PER_NODE, (world.lost + 1) * PER_NODE))
+    rnd = MembershipRound(store, 1)
+    for r in sorted(lost):
+        rnd.report_dead(members[r].id)
+    _, join_s = cpu(lambda: [rnd.join(m, survivor=True) for r, m in enumerate(members) if r not in lost])
+    for i in range(PER_NODE):
+        rnd.join(Member(f"spare0/{i}", "spare0"), survivor=False)
+    outcome, decide_s = cpu(lambda: rnd.decide((TP, PP, world.dp), members, deadline_s=60.0, shrink=False))
+    taken = [outcome.assignment.holders[r] for r in sorted(lost)]
+    return {"round_spares_taken": sum(h.startswith("spare0/") for h in taken),
+            "round_decision_bytes": len(store.get(f"{rnd.key}/decision")),
+            "round_member_bytes": sum(len(v) for v in store.multi_get(
+                [f"{rnd.key}/member/{i}" for i in range(store.add(f"{rnd.key}/joined", 0))])),
+            "round_join_cpu_s": join_s / (world.ranks - len(lost)), "round_decide_cpu_s": decide_s}
+
+
 def run(world: World) -> dict:
     rank_nodes = [world.node_of(r) for r in range(world.ranks)]
     inv, row = exchange(world, rank_nodes)
@@ -153,7 +181,8 @@ def run(world: World) -> dict:
     row["cpu_s"].update(consensus=decide_s, plan=plan_s)
     return {"ranks": world.ranks, "nodes": world.nodes, "dp": world.dp, "copies": len(inv.copies),
             "version": consensus.version, "end": consensus.end, "rounds": len(plans), "transfers": sum(elsewhere),
-            "inventory_bytes": len(pickle.dumps(inv)), "status_bytes": gathers * world.ranks * status, **row}
+            "inventory_bytes": len(pickle.dumps(inv)), "status_bytes": gathers * world.ranks * status, **row,
+            **(membership_round(world) if world.lost >= 0 else {})}
 
 
 def growth(rows: list[dict], key: Callable[[dict], float]) -> str:
@@ -174,6 +203,9 @@ def table(rows: list[dict]) -> str:
             ("status MiB/rank", lambda r: r["status_bytes"], mib)]
     cols += [(f"{phase} CPU s", (lambda r, p=phase: r["cpu_s"][p]), lambda v: f"{v:.3f}")
              for phase in ("unpickle", "merge", "consensus", "plan")]
+    cols += [("round: decision MiB/rank", lambda r: r["round_decision_bytes"], lambda v: f"{v / 2**20:,.2f}"),
+             ("round: join CPU ms", lambda r: 1000 * r["round_join_cpu_s"], lambda v: f"{v:.3f}"),
+             ("round: decider CPU s", lambda r: r["round_decide_cpu_s"], lambda v: f"{v:.3f}")]
     lines = ["| ranks | " + " | ".join(name for name, _, _ in cols) + " |",
              "|---:|" + "---:|" * len(cols)]
     lines += [f"| {r['ranks']:,} | " + " | ".join(fmt(key(r)) for _, key, fmt in cols) + " |" for r in rows]

@@ -19,6 +19,11 @@ def test_one_node_lost_in_a_world_of_1k_ranks_recovers_to_the_end_of_its_chain(c
     # ... where one gather of whole listings (rank 0's holding Tier-3's) cost O(world^2).
     assert 3.8 < big["old_exchange_bytes"] / small["old_exchange_bytes"] < 4.2
     assert big["old_exchange_bytes"] > 100 * big["exchange_bytes"]
+    # The membership round: the spare node takes the lost node's 8 ranks; the decision every member reads, and
+    # the decider's one read of the member list, grow as the world; a join does not.
+    assert big["round_spares_taken"] == 8
+    assert 1.9 < big["round_decision_bytes"] / small["round_decision_bytes"] < 2.1
+    assert 1.9 < big["round_member_bytes"] / small["round_member_bytes"] < 2.1
     out = capsys.readouterr().out
     assert "| 1,024 |" in out and "growth x" in out
 

@@ -1,0 +1,98 @@
+"""The membership round on a real TCPStore: survivors and spares agree on one world, a dead report ends the
+wait at once, a hung member is left behind at the deadline, and a late survivor learns it must leave."""
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatier.parallel.assignment import Member
+from megatier.parallel.membership import MembershipRound
+
+WORLD = [Member(f"node{n}/{i}", f"node{n}") for n in range(2) for i in range(2)]  # tp=2 x dp=2
+SPARE = Member("node0/spare0", "node0")
+
+
+@pytest.fixture
+def store():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    yield server
+
+
+def _client(server) -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+
+
+def _in_threads(server, jobs: dict) -> dict:
+    """Run ``fn(MembershipRound)`` for each name in its own thread with its own store client."""
+    out, errors = {}, []
+
+    def run(name, fn):
+        try:
+            out[name] = fn(MembershipRound(_client(server), epoch=1))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=item) for item in jobs.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def _survivor(me: Member, deadline_s: float = 20.0):
+    def fn(rnd):
+        if rnd.join(me, survivor=True):
+            rnd.decide((2, 1, 2), WORLD, deadline_s=deadline_s, shrink=True)
+        return rnd.outcome(timeout_s=30)
+    return fn
+
+
+def _spare(me: Member):
+    def fn(rnd):
+        rnd.join(me, survivor=False)
+        return rnd.outcome(timeout_s=30)
+    return fn
+
+
+def test_survivors_and_a_spare_agree_on_one_world_as_soon_as_the_dead_is_reported(store):
+    MembershipRound(_client(store), epoch=1).report_dead(WORLD[1].id)
+    started = time.monotonic()
+    jobs = {m.id: _survivor(m) for r, m in enumerate(WORLD) if r != 1}
+    out = _in_threads(store, {**jobs, SPARE.id: _spare(SPARE)})
+    assert time.monotonic() - started < 5  # no deadline waited out
+    decisions = {o.assignment for o in out.values()}
+    assert len(decisions) == 1
+    (a,) = decisions
+    assert a.holders == ("node0/0", "node0/spare0", "node1/0", "node1/1")
+    assert out[SPARE.id].role(SPARE.id, spare=True) == "rank" and a.rank_of(SPARE.id) == 1
+
+
+def test_a_hung_member_is_left_behind_at_the_deadline_and_a_late_survivor_must_leave(store):
+    jobs = {m.id: _survivor(m, deadline_s=1.0) for r, m in enumerate(WORLD) if r != 3}
+    started = time.monotonic()
+    out = _in_threads(store, jobs)
+    assert 1.0 <= time.monotonic() - started < 10
+    (a,) = {o.assignment for o in out.values()}
+    assert (a.dp, a.holders, a.idle) == (1, ("node0/0", "node0/1"), ("node1/0",))  # dp shrank to the whole replica
+    late = MembershipRound(_client(store), epoch=1)
+    assert not late.join(WORLD[3], survivor=True)  # not the first survivor: it does not decide
+    outcome = late.outcome(timeout_s=1)
+    assert outcome.assignment == a and outcome.role(WORLD[3].id) == "leave"
+    assert outcome.role("node5/spare0", spare=True) == "idle"  # a spare not listed stays a spare
+
+
+def test_a_round_that_cannot_complete_tells_everyone_to_leave(store):
+    out = _in_threads(store, {WORLD[0].id: _survivor(WORLD[0], deadline_s=0.5)})
+    assert out[WORLD[0].id].assignment is None and out[WORLD[0].id].role(WORLD[0].id) == "leave"
+
+
+def test_each_epoch_forms_its_process_groups_under_its_own_keys(store):
+    a, b = MembershipRound(_client(store), 1), MembershipRound(_client(store), 2)
+    a.process_group_store().set("x", "1")
+    assert not b.process_group_store().check(["x"]) and a.process_group_store().get("x") == b"1"
