@@ -160,9 +160,9 @@ def sample_run_starts(n: int, sample_size: int, seed: int) -> np.ndarray:
     from ``seed`` (the same positions as the CPU and CUDA kernels, ``megatier/csrc/common.h``)."""
     nruns = -(-sample_size // SAMPLE_RUN)
     nlines = -(-n // SAMPLE_RUN)
-    r = np.arange(nruns, dtype=object)
-    lo = (r * nlines // nruns).astype(np.int64)
-    hi = ((r + 1) * nlines // nruns).astype(np.int64)
+    r = np.arange(nruns + 1, dtype=np.int64 if nlines * (nruns + 1) < 2**63 else object)  # exact products
+    bounds = (r * nlines // nruns).astype(np.int64)
+    lo, hi = bounds[:-1], bounds[1:]
     with np.errstate(over="ignore"):
         z = np.uint64(seed % 2**64) + (np.arange(1, nruns + 1, dtype=np.uint64) * np.uint64(_GOLDEN))
         z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
