@@ -106,9 +106,13 @@ class MembershipRound:
         return Outcome(assignment)
 
     def outcome(self, timeout_s: float) -> Outcome:
-        """The published decision (waits for it up to ``timeout_s``)."""
+        """The published decision, waited for up to ``timeout_s``; none by then (the decider died or hung: a
+        second failure during the recovery) is a round that could not complete."""
         key = f"{self.key}/decision"
-        self.store.wait([key], timedelta(seconds=timeout_s))
+        try:
+            self.store.wait([key], timedelta(seconds=timeout_s))
+        except dist.DistStoreError:
+            return Outcome(None)
         doc = json.loads(self.store.get(key))
         return Outcome(None if doc is None else Assignment.from_dict(doc))
 

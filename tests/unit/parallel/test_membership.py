@@ -96,3 +96,13 @@ def test_each_epoch_forms_its_process_groups_under_its_own_keys(store):
     a, b = MembershipRound(_client(store), 1), MembershipRound(_client(store), 2)
     a.process_group_store().set("x", "1")
     assert not b.process_group_store().check(["x"]) and a.process_group_store().get("x") == b"1"
+
+
+def test_a_decider_that_never_answers_ends_the_round_for_the_others(store):
+    rnd = MembershipRound(_client(store), epoch=1)
+    assert rnd.join(WORLD[0], survivor=True)  # the decider, which then dies before deciding
+    other = MembershipRound(_client(store), epoch=1)
+    assert not other.join(WORLD[1], survivor=True)
+    started = time.monotonic()
+    outcome = other.outcome(timeout_s=0.5)
+    assert outcome.assignment is None and outcome.role(WORLD[1].id) == "leave" and time.monotonic() - started < 5
