@@ -1,0 +1,26 @@
+"""Whether a launch died where the drill armed it: rank 0's last logged step, and for a rack failure the race
+in which a node-mate dies before rank 0 has logged the armed step."""
+from __future__ import annotations
+
+from megatier.drill.harness import _died_as_armed
+from megatier.drill.spec import DrillSpec
+
+ARMED = "[megatier] MEGATIER_CRASH_AT: rank 1 crashing at train.step_end (step 17)\n"
+
+
+def _spec(fail: str) -> DrillSpec:
+    return DrillSpec(fail=fail, at_steps=(17,), nodes=2, procs_per_node=2)
+
+
+def test_rank_0_logging_the_armed_step_is_dying_as_armed(tmp_path):
+    assert _died_as_armed(_spec("node"), 17, 17, str(tmp_path / "no.log"))
+
+
+def test_a_rack_failure_may_leave_rank_0_one_step_behind_when_the_armed_crash_fired(tmp_path):
+    log = tmp_path / "launch.log"
+    log.write_text(ARMED)
+    assert _died_as_armed(_spec("rack"), 17, 16, str(log))
+    assert not _died_as_armed(_spec("node"), 17, 16, str(log))  # only where rank 0's node-mates are armed
+    assert not _died_as_armed(_spec("rack"), 17, 15, str(log))
+    log.write_text("Traceback: something else killed it at step 17\n")
+    assert not _died_as_armed(_spec("rack"), 17, 16, str(log))
