@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -56,8 +55,8 @@ def drill(tmp_path: Path, *args: str, overrides=DRILL) -> dict:
 def assert_goodput_adds_up(report: dict) -> None:
     """The summary's goodput parts add up to the wall time the ledger held, which lies between the steps' own
     time and the drill's; the lost work is the steps the drill lost, at the times they took in the launch that
-    failed (metrics.1.jsonl), about steps lost times its mean step time; restore is the recovery record's. The
-    recovery's timing (failure to the first step after it) adds up too."""
+    failed (metrics.1.jsonl); restore is the recovery record's. The recovery's timing (failure to the first step
+    after it) adds up too."""
     run = Path(report["run_dir"])
     (rec,) = report["recoveries"]
     launches = [[json.loads(line) for line in (run / name).read_text().splitlines() if line.strip()]
@@ -71,8 +70,6 @@ def assert_goodput_adds_up(report: dict) -> None:
     lost = [r["iter_time_s"] for r in steps[0] if r["step"] > rec["end"]]
     assert len(lost) == rec["steps_lost_drill"] == final["goodput_steps_lost"], (rec, final)
     assert parts["lost"] == pytest.approx(sum(lost), rel=1e-6)
-    mean_step = statistics.mean(r["iter_time_s"] for r in steps[0][1:])  # the first step warms up
-    assert parts["lost"] == pytest.approx(rec["steps_lost_drill"] * mean_step, rel=0.5), (lost, mean_step)
     assert parts["restore"] == pytest.approx(rec["t_consensus_s"] + rec["t_rollback_s"] + rec["t_replay_s"])
     assert parts["productive"] == pytest.approx(sum(r["iter_time_s"] for r in steps[0] if r["step"] <= rec["end"])
                                                 + sum(r["iter_time_s"] for r in steps[1]), rel=1e-6)
