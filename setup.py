@@ -151,6 +151,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
         install_requires=INSTALL_REQUIRES,
         extras_require=EXTRAS,
         entry_points={"console_scripts": [
+            "megatier-agent=megatier.cli.agent:main",
             "megatier-convert=megatier.cli.convert:main",
             "megatier-drill=megatier.cli.drill:main",
             "megatier-inspect=megatier.cli.inspect:main",

@@ -13,7 +13,7 @@ import sys
 from typing import Optional
 
 from megatier.config import compose_config
-from megatier.training import outcome
+from megatier.training import inprocess, outcome
 from megatier.training.interrupt import StopRequest
 from megatier.training.outcome import is_rank0, say
 from megatier.training.trainer import Trainer
@@ -26,9 +26,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     stop = StopRequest(announce=is_rank0()).install()
-    trainer = None
+    trainer = cfg = None
     try:
-        trainer = Trainer(compose_config(overrides), stop=stop)
+        cfg = compose_config(overrides)
+        needed, membership = inprocess.wait_if_spare(cfg.recovery, cfg.parallel.timeout_s)  # a hot spare waits
+        if not needed:
+            return 0
+        trainer = Trainer(cfg, stop=stop, membership=membership)
         trainer.train()
         summary = trainer.close()
     except KeyboardInterrupt:  # a second Ctrl-C: no drain
@@ -42,6 +46,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         say(refused[1], err=True)
         return refused[0]
     finally:
+        inprocess.release_spares(trainer, cfg.recovery if cfg is not None else None)
         stop.uninstall()
     return outcome.finished(trainer, summary)
 

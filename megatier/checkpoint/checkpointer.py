@@ -6,6 +6,9 @@ The Trainer knows three calls and nothing else:
     metrics = checkpointer.after_step(s)     # after optimizer step s; merged into the step's metrics
     checkpointer.close(failed=...)           # at exit: drain what is in flight
 
+and, only for in-process recovery, ``checkpointer.abort(timeout)`` when the job's world broke: stop without a
+collective, keeping what node memory holds (a checkpointer without it makes such a failure end the launch).
+
 ``Trainer(cfg, checkpointer=factory)`` takes a factory that gets the
 :class:`TrainState` once the model and optimizer exist; without one it uses
 :func:`build_checkpointer` (the tiered :class:`CheckpointManager`) when

@@ -499,6 +499,23 @@ class CheckpointManager:
             tier.close(timeout)
         return self._final_status()
 
+    def abort(self, timeout: float) -> None:
+        """The job's world broke mid-run (in-process recovery): stop every helper thread without a collective.
+        The save thread stores what it holds (node memory keeps it as a recovery source), the tiers stop
+        theirs (:meth:`Tier.abort`); gathers in flight are dropped with their process group. The manager
+        cannot be used afterwards: the re-formed job builds a new one."""
+        self._syncs = []
+        self.capture.close()
+        try:
+            self.worker.close(timeout)
+        except Exception as e:  # a failed save thread: what it stored stays, the rest is in no tier
+            log.warning("rank %d: the save thread stopped with an error while recovering: %s", self.ctx.rank, e)
+        for tier in self.ctx.tiers:
+            try:
+                tier.abort(timeout)
+            except Exception as e:
+                log.warning("rank %d: %s did not stop cleanly while recovering: %s", self.ctx.rank, tier.where(), e)
+
     def _submit_base(self, base, *, final: bool = False) -> None:
         """At exit: hand a base to the save thread, and to the lockstep tiers with the last hand-over; a
         ``final`` one goes to Tier-3 whatever ``remote.base_every`` skips, so the last step is exact there too."""

@@ -53,6 +53,9 @@ class ShardAccess:
     # The step since which the state is not exact: a last-resort recovery (CheckFree) rebuilt a pipeline stage
     # there. Kept in every base, so a later restore still knows.
     inexact_since: Optional[int] = field(default=None, init=False)
+    # The step this rank's in-memory state is known to be at, set by an in-process recovery before it restores:
+    # a rank already at the agreed end reads nothing (None: unknown, e.g. the failure came mid-update).
+    live_version: Optional[int] = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         o = self.optimizer

@@ -11,13 +11,13 @@
 from megatier.config.compose import compose_config, register_configs, split_overrides
 from megatier.config.schema import (CheckFreeConfig, CheckpointConfig, Config, ConfigError, DataConfig,
                                     DiffStreamConfig, LocalTierConfig, LoggingConfig, ModelConfig, OptimConfig,
-                                    ParallelConfig, PeerTierConfig, ReliabilityConfig, RemoteTierConfig, TrainConfig,
-                                    WandbConfig)
+                                    ParallelConfig, PeerTierConfig, RecoveryConfig, ReliabilityConfig, RemoteTierConfig,
+                                    TrainConfig, WandbConfig)
 from megatier.config.validation import validate
 
 __all__ = [
     "CheckFreeConfig", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DiffStreamConfig",
     "LocalTierConfig", "LoggingConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "PeerTierConfig",
-    "ReliabilityConfig", "RemoteTierConfig", "TrainConfig", "WandbConfig", "compose_config", "register_configs",
-    "split_overrides", "validate",
+    "RecoveryConfig", "ReliabilityConfig", "RemoteTierConfig", "TrainConfig", "WandbConfig", "compose_config",
+    "register_configs", "split_overrides", "validate",
 ]

@@ -324,6 +324,26 @@ class ReliabilityConfig:
 
 
 @dataclass
+class RecoveryConfig:
+    """How surviving processes recover from a failure (megatier.training.inprocess, docs/checkpointing.md)."""
+
+    # inprocess: the survivors keep their processes, re-form the job with hot spares through a membership round
+    # and restore in place; used where a membership store is known (recovery.store, or the one megatier-agent
+    # names), else the launch relaunches as with "relaunch". relaunch: any failure ends the launch; the next one
+    # restores (torchrun restarts every worker anyway).
+    mode: str = "inprocess"
+    # host:port of the membership store (a TCPStore served by `megatier-agent --serve-store`); None: the one the
+    # launcher's agent names (MEGATIER_MEMBERSHIP_STORE).
+    store: Optional[str] = None
+    # With no spare for a lost rank, seconds the round waits for a replacement process to join before it gives
+    # up (the job then relaunches, where the elastic path may shrink dp).
+    wait_for_replacement_s: float = 0.0
+    # Seconds the deciding survivor waits for members that neither joined the round nor were reported dead (a
+    # hung process), and every member for the decision.
+    round_timeout_s: float = 30.0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -333,3 +353,4 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)

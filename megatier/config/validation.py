@@ -20,6 +20,7 @@ from megatier.config.schema import (
     DataConfig,
     ModelConfig,
     OptimConfig,
+    RecoveryConfig,
     ReliabilityConfig,
     TrainConfig,
     ffn_size,
@@ -130,6 +131,17 @@ def _validate_optim(o: OptimConfig) -> None:
                                                            "> 0")
 
 
+def _validate_recovery(r: RecoveryConfig) -> None:
+    _require(r.mode in ("inprocess", "relaunch"), f"recovery.mode={r.mode!r} must be inprocess or relaunch")
+    if r.store is not None:
+        host, _, port = str(r.store).rpartition(":")
+        _require(bool(host) and port.isdigit(), f"recovery.store={r.store!r} must be host:port (where "
+                                                "`megatier-agent --serve-store` listens)")
+    _require(r.wait_for_replacement_s >= 0, f"recovery.wait_for_replacement_s={r.wait_for_replacement_s} must be "
+                                            f">= 0")
+    _require(r.round_timeout_s > 0, f"recovery.round_timeout_s={r.round_timeout_s} must be positive")
+
+
 def _validate_data(d: DataConfig, m: ModelConfig) -> None:
     _require(d.seq_len > 0, f"data.seq_len={d.seq_len} must be positive")
     _require(
@@ -188,6 +200,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         _require(cfg.model.impl == "native", f"parallel.sequence_parallel runs on the native blocks; "
                                              f"model.impl={cfg.model.impl} has its own (set model.impl=native)")
     _validate_reliability(cfg.reliability, cfg.train.precision, cfg.optim)
+    _validate_recovery(cfg.recovery)
     w = cfg.logging.wandb
     _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
                                                           "disabled")

@@ -13,6 +13,13 @@ Once one agent fails, the others get ``fail_grace_s`` seconds to finish before
 they are stopped, so a job whose peer died cannot hang on a rendezvous or
 collective. The exit status is the worst of the agents' (a signal death counts
 as 128 + signal).
+
+With ``recovery="inprocess"`` each node runs ``megatier-agent`` instead
+(:mod:`megatier.launcher.agent`): ranks are node-major, a failed process is
+reported to the membership store (served by this process, so no node failure
+takes it down) and its node's other processes keep running; ``spares_per_node``
+idle spares wait on every node and ``spare_nodes`` more nodes hold only spares.
+An agent that fails then stops nobody: the survivors re-form the job.
 """
 from __future__ import annotations
 
@@ -25,6 +32,8 @@ import subprocess
 import sys
 import time
 from typing import Optional
+
+from megatier.launcher.agent import exit_status, serve_store
 
 
 def _ephemeral_floor(default: int = 32768) -> int:
@@ -74,9 +83,14 @@ def agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, no
     ]
 
 
-def exit_status(returncode: int) -> int:
-    """Shell-style status: a death by signal s becomes 128 + s."""
-    return 128 - returncode if returncode < 0 else returncode
+def inprocess_agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, spares: int, node_rank: int,
+                            store: str, run_id: str) -> list[str]:
+    """The ``megatier-agent`` command line of simulated node ``node_rank`` (a node of spares when it is past the
+    ``nodes`` that run ranks)."""
+    ranks = procs_per_node if node_rank < nodes else 0
+    return [sys.executable, "-m", "megatier.cli.agent", "--nodes", str(nodes), "--node-rank", str(node_rank),
+            "--nproc-per-node", str(ranks), "--spares-per-node", str(spares), "--store", store, "--run-id", run_id,
+            "--", *script_args]
 
 
 def _children(pid: int) -> list[int]:
@@ -119,7 +133,8 @@ class LocalCluster:
 
     def __init__(self, nodes: int, procs_per_node: int, script_args: list[str], *, port: Optional[int] = None,
                  max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None,
-                 node_file_limit: Optional[dict[int, int]] = None):
+                 node_file_limit: Optional[dict[int, int]] = None, recovery: str = "relaunch",
+                 spares_per_node: int = 0, spare_nodes: int = 0):
         if nodes < 1 or procs_per_node < 1:
             raise ValueError(f"--nodes {nodes} and --procs-per-node {procs_per_node} must be >= 1")
         if not script_args:
@@ -133,11 +148,26 @@ class LocalCluster:
         # Largest file node i's processes may write, in bytes: a full disk for drills (writes fail with EFBIG).
         self.node_file_limit = node_file_limit or {}
         self.agents: list[subprocess.Popen] = []
+        self.inprocess = recovery == "inprocess"
+        self.spares_per_node, self.spare_nodes = spares_per_node, spare_nodes
+        if not self.inprocess and (spares_per_node or spare_nodes):
+            raise ValueError("hot spares need recovery=inprocess (torchrun's agent restarts every process)")
+        self.store = None  # in-process recovery's membership store, served here
+
+    def _command(self, i: int) -> list[str]:
+        if not self.inprocess:
+            return agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node, node_rank=i,
+                                 port=self.port, run_id=self.run_id, max_restarts=self.max_restarts)
+        spares = self.spares_per_node if i < self.nodes else self.procs_per_node
+        return inprocess_agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node,
+                                       spares=spares, node_rank=i, store=f"127.0.0.1:{self.store.port}",
+                                       run_id=self.run_id)
 
     def start(self) -> None:
-        for i in range(self.nodes):
-            cmd = agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node, node_rank=i,
-                                port=self.port, run_id=self.run_id, max_restarts=self.max_restarts)
+        if self.inprocess:
+            self.store = serve_store(self.port)
+        for i in range(self.nodes + self.spare_nodes):
+            cmd = self._command(i)
             env = dict(os.environ, **self.node_env.get(i, {}), MEGATIER_NODE_NAME=f"node{i}")
             limit = self.node_file_limit.get(i)
             self.agents.append(subprocess.Popen(cmd, env=env, start_new_session=True,
@@ -160,7 +190,7 @@ class LocalCluster:
                       file=sys.stderr)
                 self.stop()
                 return 124
-            if failed_at is None and any(c not in (None, 0) for c in codes):
+            if failed_at is None and any(c not in (None, 0) for c in codes) and not self.inprocess:
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > fail_grace_s:
                 print(f"launch_local_cluster: an agent failed; stopping the rest after {fail_grace_s:.0f}s",

@@ -131,26 +131,29 @@ def process_started() -> Optional[float]:
 
 @dataclass
 class RecoveryTimeline:
-    """One recovery by relaunch, from the failure to the first step after it (wall-clock times).
+    """One recovery, from the failure to the first step after it (wall-clock times), by relaunch or in place.
 
-    detection  the failure -> this process started: the launcher saw the failure, stopped the other
-               processes and started this one
-    reform     -> the restore began: interpreter, imports, rendezvous, process groups, data, model,
-               checkpointer and tiers
+    detection  the failure -> it was acted on: by relaunch, this process started (the launcher saw the
+               failure, stopped the other processes and started this one); in place, a surviving process
+               saw a collective fail (or, on a spare taking a lost rank, the round assigned it)
+    reform     -> the restore began: by relaunch, interpreter, imports, rendezvous, process groups, data,
+               model, checkpointer and tiers; in place, stopping the checkpoint threads, the membership
+               round, the new process groups and checkpointer
     restore    the recovery record's consensus + rollback + replay (the slowest rank's each)
     rerun      the restore's end -> the end of the first step after it (``steps_rerun`` steps lay between
                the recovered end E and the failure, and are computed again)"""
 
     failed_at: float
-    process_started: float
+    detected_at: float
     restored_at: float
     restore_s: float
     steps_rerun: int
+    mode: str = "relaunch"  # or inprocess
 
     def fields(self, now: float) -> dict:
-        detection = max(0.0, self.process_started - self.failed_at)
-        reform = max(0.0, self.restored_at - self.restore_s - max(self.process_started, self.failed_at))
-        return {"recovery_mode": "relaunch", "recovery_detection_s": detection, "recovery_reform_s": reform,
+        detection = max(0.0, self.detected_at - self.failed_at)
+        reform = max(0.0, self.restored_at - self.restore_s - max(self.detected_at, self.failed_at))
+        return {"recovery_mode": self.mode, "recovery_detection_s": detection, "recovery_reform_s": reform,
                 "recovery_restore_s": self.restore_s, "recovery_rerun_s": max(0.0, now - self.restored_at),
                 "recovery_total_s": max(0.0, now - self.failed_at), "recovery_steps_rerun": self.steps_rerun}
 
@@ -207,12 +210,19 @@ class GoodputLedger:
 
     # ---- a launch ------------------------------------------------------------------------------
 
-    def resume(self, start_step: int, recovery: Optional[dict] = None) -> None:
+    def resume(self, start_step: int, recovery: Optional[dict] = None, *,
+               detected_at: Optional[float] = None) -> None:
         """This launch trains on from ``start_step`` (E after a restore, 0 on a fresh start): continue the
         ledger it found, or start a new one when there is none, it belongs to another job id, or this is a new
         run (step 0 after a clean exit, or step 0 with another config). Steps past E become lost work. A second
-        call in the same launch (another restore) only reconciles and adds its restore time."""
+        call in the same launch (an in-place recovery, or another restore) reconciles and adds its restore time.
+        ``detected_at``: the recovery is in place, and the failure was acted on then (its timeline's mode)."""
         if self.state is not None:
+            s = self.state
+            if recovery is not None and detected_at is not None:
+                s.restarts += 1
+                self.timeline = RecoveryTimeline(s.mark, detected_at, self.clock(), _recovery_seconds(recovery),
+                                                 max(0, s.last_step - start_step), mode="inprocess")
             self._reconcile(start_step)
             self._pending_restore += _recovery_seconds(recovery)
             return
@@ -232,8 +242,11 @@ class GoodputLedger:
             else:
                 p.restarts += 1  # the gap since its last update is restart, accounted at the first step
                 if recovery is not None:
-                    self.timeline = RecoveryTimeline(p.mark, self.process_started, self.clock(),
-                                                     _recovery_seconds(recovery), max(0, p.last_step - start_step))
+                    inplace = detected_at is not None  # a spare that took a lost rank (and rank 0's ledger)
+                    self.timeline = RecoveryTimeline(p.mark, detected_at if inplace else self.process_started,
+                                                     self.clock(), _recovery_seconds(recovery),
+                                                     max(0, p.last_step - start_step),
+                                                     mode="inprocess" if inplace else "relaunch")
             p.fingerprint, p.closed = self.fingerprint, False
         self.state.launches += 1
         self._reconcile(start_step)
@@ -348,7 +361,7 @@ class NullLedger:
 
     continues_clean_exit = False
 
-    def resume(self, start_step: int, recovery: Optional[dict] = None) -> None:
+    def resume(self, start_step: int, recovery: Optional[dict] = None, *, detected_at: Optional[float] = None) -> None:
         pass
 
     def step(self, record: dict) -> dict:

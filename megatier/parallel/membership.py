@@ -58,6 +58,7 @@ class MembershipRound:
     def __init__(self, store: dist.Store, epoch: int, prefix: str = PREFIX):
         self.store, self.epoch = store, epoch
         self.key = f"{prefix}/{epoch}"
+        self._root = prefix
         self._dead = f"{prefix}/dead"
 
     # ---- members ------------------------------------------------------------------------------
@@ -91,9 +92,10 @@ class MembershipRound:
     # ---- the decision -------------------------------------------------------------------------
 
     def decide(self, degrees: tuple[int, int, int], world: list[Member], *, deadline_s: float,
-               shrink: bool) -> Outcome:
+               shrink: bool, replacement_s: float = 0.0) -> Outcome:
         """The deciding survivor's part: wait until every member of the failed ``world`` (by rank) has joined or
-        been reported dead, or for the deadline (a hung process never joins); publish the decision."""
+        been reported dead, or for the deadline (a hung process never joins); publish the decision. With a lost
+        rank and no spare for it, wait up to ``replacement_s`` more for one to join (a replacement process)."""
         deadline = time.monotonic() + deadline_s
         ids = {m.id for m in world}
         while time.monotonic() < deadline:
@@ -101,9 +103,22 @@ class MembershipRound:
             if joined + len(self.reported_dead() & ids) >= len(world):
                 break
             time.sleep(_POLL_S)
-        assignment = assign_ranks(degrees, world, self.members(), shrink=shrink)
+        assignment = self._assign(degrees, world, shrink)
+        wait_until = time.monotonic() + replacement_s
+        while assignment is None and time.monotonic() < wait_until:
+            time.sleep(50 * _POLL_S)
+            assignment = self._assign(degrees, world, shrink)
         self.store.set(f"{self.key}/decision", json.dumps(None if assignment is None else assignment.to_dict()))
+        self.store.add(f"{self._root}/decided", 1)
         return Outcome(assignment)
+
+    def _assign(self, degrees: tuple[int, int, int], world: list[Member], shrink: bool):
+        dead = self.reported_dead()  # a spare that died with its node had joined, but cannot take a rank
+        return assign_ranks(degrees, world, [m for m in self.members() if m.id not in dead], shrink=shrink)
+
+    def decided(self) -> bool:
+        """Whether this round's decision is published (a spare polls this, without blocking)."""
+        return self.store.check([f"{self.key}/decision"])
 
     def outcome(self, timeout_s: float) -> Outcome:
         """The published decision, waited for up to ``timeout_s``; none by then (the decider died or hung: a
@@ -115,6 +130,21 @@ class MembershipRound:
             return Outcome(None)
         doc = json.loads(self.store.get(key))
         return Outcome(None if doc is None else Assignment.from_dict(doc))
+
+    @staticmethod
+    def decided_epochs(store: dist.Store, prefix: str = PREFIX) -> int:
+        """How many rounds have published a decision: a process that starts later (a replacement's spare) joins
+        the round after them (rounds are numbered 1, 2, ... as failures happen; epoch 0 is the launch)."""
+        return store.add(f"{prefix}/decided", 0)
+
+    @staticmethod
+    def finish(store: dist.Store, prefix: str = PREFIX) -> None:
+        """The job has ended (its last rank 0 closed): idle spares stop waiting."""
+        store.set(f"{prefix}/finished", "1")
+
+    @staticmethod
+    def finished(store: dist.Store, prefix: str = PREFIX) -> bool:
+        return store.check([f"{prefix}/finished"])
 
     def process_group_store(self) -> dist.Store:
         """Where the new world's process groups rendezvous: this epoch's own part of the store."""

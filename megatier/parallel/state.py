@@ -25,17 +25,22 @@ import torch.distributed as dist
 from megatier.parallel.layout import Layout, coordinates_of, rank_of
 
 
-def init_process_group(backend: str, timeout_s: float) -> None:
+def init_process_group(backend: str, timeout_s: float, store: Optional[dist.Store] = None) -> None:
     """Initialise torch.distributed from torchrun's environment, or as a world of one.
 
     Without ``RANK``/``WORLD_SIZE`` in the environment (plain ``python
     pretrain_gpt.py``) a single-process group on an in-memory store is created,
-    so every code path still receives real process groups.
+    so every code path still receives real process groups. ``store``: rendezvous there instead of at
+    MASTER_ADDR (an epoch of in-process recovery's membership store), with RANK and WORLD_SIZE from the
+    environment.
     """
     if dist.is_initialized():
         return
     timeout = timedelta(seconds=timeout_s)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+    if store is not None:
+        dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend, timeout=timeout)
     else:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -93,6 +98,32 @@ class ParallelState(Layout):
             f"local_rank={self.local_rank} replica_holder={self.replica_holder_rank} "
             f"replica_owner={self.replica_owner_rank}"
         )
+
+
+_GROUP_ROLES = ("tp_group", "pp_group", "dp_group", "embedding_group", "world_group", "checkpoint_group")
+
+
+def detach_groups(holders, state: ParallelState) -> list[tuple[object, str, str]]:
+    """Clear every attribute of ``holders`` (objects, e.g. a model's modules, an optimizer) that holds one of
+    ``state``'s process groups; returns (holder, attribute, role) for :func:`attach_groups`.
+
+    In-process recovery needs this before the membership round: a gloo group closes its connections only once
+    nothing refers to it, and until then a peer blocked on this rank waits for its collective's timeout instead
+    of failing at once."""
+    roles = {id(getattr(state, role)): role for role in _GROUP_ROLES if getattr(state, role) is not None}
+    detached = []
+    for holder in holders:
+        for name, value in list(vars(holder).items()):
+            if isinstance(value, dist.ProcessGroup) and id(value) in roles:
+                detached.append((holder, name, roles[id(value)]))
+                setattr(holder, name, None)
+    return detached
+
+
+def attach_groups(detached: list[tuple[object, str, str]], state: ParallelState) -> None:
+    """Point what :func:`detach_groups` cleared at ``state``'s group of the same role (the re-formed world)."""
+    for holder, name, role in detached:
+        setattr(holder, name, getattr(state, role))
 
 
 def _node_order_key(name: str) -> list:

@@ -17,6 +17,7 @@ when ``checkpoint.enabled``. The overhead benchmark injects its baselines.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -50,10 +51,18 @@ from megatier.parallel.checkfree_plus import sync_replica_grads
 from megatier.parallel.p2p import PipelineComm
 from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
-from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
+from megatier.parallel.state import (
+    ParallelState,
+    attach_groups,
+    build_parallel_state,
+    detach_groups,
+    init_process_group,
+)
 from megatier.seeding import derive_seed
+from megatier.training.inprocess import Membership, RoundFailed, become_rank
 from megatier.training.interrupt import StopRequest
 from megatier.training.nonfinite import NonFiniteGuard
+from megatier.training.outcome import DIVERGED
 from megatier.training.sdc import SpikeCheck, ranks_that_differ
 
 log = logging.getLogger(__name__)
@@ -72,7 +81,7 @@ def _pick_device(name: str) -> torch.device:
 
 class Trainer:
     def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None,
-                 stop: Optional[StopRequest] = None):
+                 stop: Optional[StopRequest] = None, membership: Optional[Membership] = None):
         self.cfg = cfg
         self.stop = stop or StopRequest()  # Ctrl-C: stop after the step in flight (megatier.training.interrupt)
         self.interrupted_at: Optional[int] = None  # the step a stop request ended the loop after
@@ -84,9 +93,12 @@ class Trainer:
         self.device = _pick_device(cfg.train.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        init_process_group("nccl" if self.device.type == "cuda" else "gloo", cfg.parallel.timeout_s)
-        p = cfg.parallel
-        self.ps: ParallelState = build_parallel_state(p.tp, p.pp, p.timeout_s, self.device)
+        # In-process recovery's membership (megatier.training.inprocess); None: a failure ends the launch.
+        self.membership = membership or Membership.connect(cfg.recovery, cfg.parallel.timeout_s)
+        self.detected_at = membership.assigned_at if membership is not None else None  # a spare's: given a rank
+        self._form_world()
+        if self.membership is not None and not self.membership.world:
+            self.membership.learn_world(self.ps.checkpoint_group)
         # What this topology can take (a warning for each change) becomes the run's config, the one
         # config.yaml records and checkpointing uses.
         cfg.checkpoint = effective_checkpoint_config(cfg.checkpoint, self.ps.num_nodes)
@@ -99,6 +111,8 @@ class Trainer:
         self.nonfinite = NonFiniteGuard(cfg.reliability, scaled, self.ps.rank, self.ps.world_group)
         self.spikes = SpikeCheck(cfg.reliability.spike_factor, scaled)
         self.step = 0
+        self._updating = False  # the optimizer is applying a step (see _recover_in_place)
+        self._recovered_at: Optional[int] = None  # the step the last in-process recovery happened at
         self.logger = self._build_logger()
         self.goodput = self._build_ledger(started)
         self.fault = FaultInjector.from_env(self.ps.rank)
@@ -112,6 +126,13 @@ class Trainer:
 
     # ---- construction -------------------------------------------------------------------------
 
+    def _form_world(self) -> None:
+        """torch.distributed and the layout's process groups (on the membership round's store, if any)."""
+        store = self.membership.process_group_store() if self.membership is not None else None
+        init_process_group("nccl" if self.device.type == "cuda" else "gloo", self.cfg.parallel.timeout_s, store)
+        p = self.cfg.parallel
+        self.ps: ParallelState = build_parallel_state(p.tp, p.pp, p.timeout_s, self.device)
+
     def _set_threads(self) -> None:
         threads = self.cfg.train.threads
         if threads is None and self.device.type == "cpu" and self.ps.world_size > 1:
@@ -123,7 +144,10 @@ class Trainer:
     def _build_data(self) -> None:
         d = self.cfg.data
         prefix = d.prefix
-        if prefix is None:
+        if prefix is None and self.membership is not None and self.membership.epoch > 0:
+            # A spare joining a re-formed job: rank 0 made the corpus at the launch; the survivors build no data.
+            prefix = ensure_default_corpus(d.cache_dir, d.tokenizer, d.default_corpus_mib, d.bpe_vocab_size)
+        elif prefix is None:
             if self.ps.rank == 0:
                 prefix = ensure_default_corpus(d.cache_dir, d.tokenizer, d.default_corpus_mib, d.bpe_vocab_size)
             holder = [prefix]
@@ -181,6 +205,7 @@ class Trainer:
     def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
         state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size,
                            state_fingerprint(self.cfg, self.data_checksum), followed_keys(self.cfg))
+        self._factory = factory
         if factory is not None:
             return factory(state)
         if not self.cfg.checkpoint.enabled:
@@ -262,7 +287,9 @@ class Trainer:
         rerun = None if why is None else self._rerun(step, why, (local_loss, reduced.grad))
         if rerun is not None:
             loss, reduced = rerun
+        self._updating = True  # a failure from here until the step is counted leaves the state between versions
         stats = self.optimizer.step(step, reduced)
+        self._updating = False
         self.param_flip.plant(step, self.optimizer.param_flat)
         self.nonfinite.check(step, stats.skipped, loss, self.optimizer.last_grad, self.optimizer.shard_segments)
         if not stats.skipped:
@@ -339,7 +366,8 @@ class Trainer:
             record["canonical_digest"] = self.canonical_digest()
         if record is not None:
             self.logger.log({"step": self.step, **record})
-        self.goodput.resume(self.step, record)
+        self.goodput.resume(self.step, record, detected_at=self.detected_at)
+        self.detected_at = None
         self._say_schedule(record)
 
     def _say_schedule(self, record: Optional[dict]) -> None:
@@ -361,26 +389,79 @@ class Trainer:
             self.restore()
             self.already_finished = self.step >= t.iters > 0
         while self.step < t.iters and self.interrupted_at is None:
-            step = self.step + 1
-            self.fault(CrashPoint.TRAIN_STEP_BEGIN, step)
-            record = self.train_step(step)
-            self.step = step
-            if self.checkpointer is not None:
-                start = time.perf_counter()
-                record.update(self.checkpointer.after_step(step))
-                record["ckpt_stall_ms"] = 1000.0 * (time.perf_counter() - start)
-            if step % t.eval_interval == 0 or step == t.iters:
-                start = time.perf_counter()
-                val = self.evaluate()
-                if val is not None:
-                    record.update(val_loss=val, eval_time_s=time.perf_counter() - start)
-            record.update(self.goodput.step(record))  # persisted before the record is logged
-            self.logger.log(record)
-            self.logger.progress(step, record["loss"], record["tokens_per_s"])
-            self.last_record = record
-            self.fault(CrashPoint.TRAIN_STEP_END, step)
-            if record.get("stop_requested"):
-                self.interrupted_at = step
+            failure = None
+            try:
+                self._loop_step()
+            except RuntimeError as e:
+                if not self._recoverable(e):
+                    raise
+                failure = str(e).splitlines()[0][:200]  # not the error: its frames hold the old groups
+            if failure is not None:
+                self._recover_in_place(failure)
+
+    def _loop_step(self) -> None:
+        """One pass of the loop: train step E+1, checkpoint it, validate when due, account and log it."""
+        t = self.cfg.train
+        step = self.step + 1
+        self.fault(CrashPoint.TRAIN_STEP_BEGIN, step)
+        record = self.train_step(step)
+        self.step = step
+        if self.checkpointer is not None:
+            start = time.perf_counter()
+            record.update(self.checkpointer.after_step(step))
+            record["ckpt_stall_ms"] = 1000.0 * (time.perf_counter() - start)
+        if step % t.eval_interval == 0 or step == t.iters:
+            start = time.perf_counter()
+            val = self.evaluate()
+            if val is not None:
+                record.update(val_loss=val, eval_time_s=time.perf_counter() - start)
+        record.update(self.goodput.step(record))  # persisted before the record is logged
+        self.logger.log(record)
+        self.logger.progress(step, record["loss"], record["tokens_per_s"])
+        self.last_record = record
+        self.fault(CrashPoint.TRAIN_STEP_END, step)
+        if record.get("stop_requested"):
+            self.interrupted_at = step
+
+    # ---- in-process recovery ------------------------------------------------------------------
+
+    def _recoverable(self, error: RuntimeError) -> bool:
+        """Whether ``error`` (a collective or checkpoint transfer that failed: a peer died or hung) is recovered
+        in place: only with a membership store and a checkpointer that can stop without a collective, and
+        not twice at the same step (a failure that recurs there is this process's own: the launch ends)."""
+        if self.membership is None or not hasattr(self.checkpointer, "abort"):
+            return False
+        if isinstance(error, DIVERGED):
+            return False
+        return self._recovered_at != self.step
+
+    def _recover_in_place(self, failure: str) -> None:
+        """Re-form the job with the survivors and spares, keep model, optimizer and data, restore in place."""
+        self.detected_at = time.time()
+        live = None if self._updating else self.step
+        self._updating = False
+        if self.ps.rank == 0:
+            log.warning("step %d: a peer failed (%s); recovering in place (recovery.mode=inprocess)", self.step + 1,
+                        failure)
+        holders = [*self.model.modules(), self.optimizer, self.grads, self.nonfinite,
+                   *([self.comm] if self.comm is not None else [])]
+        detached = detach_groups(holders, self.ps)
+        rank, degrees = self.ps.rank, self.ps.degrees
+        dist.destroy_process_group()
+        self.checkpointer.abort(timeout=min(10.0, self.cfg.parallel.timeout_s))
+        self.checkpointer = self.ps = None  # the last references: the old groups close, blocked peers fail now
+        gc.collect()
+        new_rank = self.membership.survive(degrees)
+        if new_rank != rank:
+            raise RoundFailed(f"rank {rank} would become rank {new_rank}: the layout changed")
+        become_rank(self.membership, new_rank)
+        self._form_world()
+        attach_groups(detached, self.ps)
+        self.checkpointer = self._build_checkpointer(self._factory)
+        self.checkpointer.shard.live_version = live
+        self._recovered_at = self.step
+        self.restore()
+        self.checkpointer.shard.live_version = None
 
     def state_digest(self) -> str:
         """xxh64 over every rank's full training state, combined in rank order."""

@@ -124,10 +124,11 @@ class Fetcher:
         self.rank_nodes = inventory.rank_nodes
         self.servers = inventory.servers
         self.ledger = Ledger()
+        self.in_place: set[int] = set()  # ranks whose memory is already at the end: they fetch nothing
 
     def rounds(self) -> int:
         """How many rounds the current owners' chains take."""
-        return max(len(self.consensus.chains[o]) for o in self.owners.values())
+        return max((len(self.consensus.chains[o]) for o in self.owners.values()), default=0)
 
     def plan(self, k: int) -> tuple[dict[int, PayloadId], dict[int, list[Copy]]]:
         """Round ``k``'s unit of every fetching rank and its candidate copies, cheapest first. Every rank plans

@@ -120,7 +120,7 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     fetcher.reader.degrees = consensus.degrees
     checkfree = None
     if not consensus.resharded(ctx.layout.degrees):
-        fetcher.owners = {r: r for r in consensus.chains}
+        fetcher.owners = {r: r for r in consensus.chains if r not in fetcher.in_place}
         fatal = _rounds(ctx, fetcher, shard, timings)
         raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")
         if consensus.lost_stages:
@@ -142,6 +142,15 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     shard.publish()
     timings[1] += time.perf_counter() - t
     return checkfree
+
+
+def _in_place(ctx: CheckpointContext, shard: ShardAccess, consensus: Consensus) -> set[int]:
+    """The ranks whose state in memory is already at the agreed end (an in-process recovery's survivors that
+    finished step E and no more): they read and replay nothing. Never under resharding or a lost stage."""
+    if consensus.resharded(ctx.layout.degrees) or consensus.lost_stages:
+        return set()
+    live = ctx.comm.gather(shard.live_version, what="the survivors' steps")
+    return {r for r, v in enumerate(live) if v == consensus.end}
 
 
 def _listed_here(ctx: CheckpointContext, inv: Inventory) -> list:
@@ -220,6 +229,7 @@ def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: 
                 raise RecoveryError(f"{e}, and without the bad copies: {again}; bad copies: "
                                     f"{fetcher.ledger.fallbacks}") from None
             fetcher.ledger.served.clear()
+            fetcher.in_place = set()  # the end may have moved: every rank restores from the copies
 
 
 def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bool) -> Optional[RecoveryResult]:
@@ -236,6 +246,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     t_consensus = time.perf_counter() - t0
     reader = Reader(ctx.node, ctx.job_id, consensus.degrees, {t.label: t for t in ctx.tiers})
     fetcher = Fetcher(ctx.comm, reader, consensus, inv)
+    fetcher.in_place = _in_place(ctx, shard, consensus)
     fetcher.ledger.fallbacks.extend(inv.notes)
     timings = [0.0, 0.0]
     checkfree = _replay_with_fallbacks(ctx, shard, fetcher, inv, timings, fallback)
@@ -255,6 +266,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
                              last_step=last_step(inv), rank_nodes=inv.rank_nodes,
                              inventory_s=max(f["inventory_s"] for f in final))
     record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
+    record["ranks_in_place"] = sorted(fetcher.in_place)
     record["checkfree"] = checkfree
     if checkfree is not None:
         record["failure_class"] = "stage"  # whatever else was lost, a whole stage was

@@ -205,6 +205,12 @@ class Tier(abc.ABC):
     def close(self, timeout: float) -> None:
         """After every rank drained: final work (Tier-3's last commit round), then stop threads."""
 
+    def abort(self, timeout: float) -> None:
+        """The job's world broke mid-run (in-process recovery): stop this tier's threads without talking to any
+        other rank; what it stored stays a recovery source. By default :meth:`close`, for tiers whose close
+        is local."""
+        self.close(timeout)
+
     def behind(self) -> int:
         """After drain: this rank's units the tier was given but could not store (they stay in cheaper tiers)."""
         return 0

@@ -138,3 +138,6 @@ class PeerTier(ReplicaArea):
         self.on_step(step)
         self.replicator.close(timeout)
 
+    def abort(self, timeout: float) -> None:
+        self.replicator.abort(timeout)
+

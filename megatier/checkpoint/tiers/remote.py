@@ -287,6 +287,12 @@ class RemoteTier(Tier):
         if self.lease is not None and self.lease.held is not None:
             self.lease.release()
 
+    def abort(self, timeout: float) -> None:
+        """Upload what is queued for a little while (no rank waits for it), commit what completed, give the
+        lease back: the re-formed job takes it again."""
+        self.drain(0, min(timeout, 2.0))
+        self.close(timeout)
+
     def behind(self) -> int:
         return len(self._left)
 

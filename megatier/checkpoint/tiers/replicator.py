@@ -168,6 +168,14 @@ class PeerReplicator:
             self._cv.notify_all()
         self._thread.join(timeout=min(5.0, self.timeout_s))
 
+    def abort(self, timeout: float) -> None:
+        """Stop without the collective flush (the world broke): a transfer in flight ends with its group, and
+        a half-received unit is dropped (the thread's exit); what was stored stays."""
+        with self._cv:
+            self._closed = self._stop = True
+            self._cv.notify_all()
+        self._thread.join(timeout=min(timeout, self.timeout_s))
+
     def _enqueue(self, tick: Tick) -> int:
         self._ticks.append(tick)
         self._queued += 1

@@ -1,0 +1,138 @@
+"""The node agent of in-process recovery: starts a node's training processes and hot spares, keeps the survivors.
+
+torchrun's agent stops every process of its node when one fails and restarts them all, which is a relaunch.
+This agent (``megatier-agent``, one per node) instead
+
+* starts ``procs`` ranks (global rank ``node_rank * procs + local``) and ``spares`` idle hot spares, each with
+  its lifelong member id (``<node>/<local>``, ``<node>/spare<k>``), the membership store's address and the
+  launch's run id (:mod:`megatier.training.inprocess`); their process groups rendezvous on that store;
+* reports each process that exits with a failure as dead to the membership round, so the survivors' round
+  does not wait for it, and leaves every other process running;
+* optionally serves the membership store itself (``serve_store``): the store must outlive any one training
+  process, so it runs in an agent (or a host of its own), never in a rank.
+
+Its exit status is 0 when every failed process was replaced by a later round and the job ended well, else the
+worst status of its processes (a death by signal s counts as 128 + s).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatier.parallel.membership import PREFIX, MembershipRound
+
+ENV_STORE = "MEGATIER_MEMBERSHIP_STORE"  # host:port of the membership store
+ENV_MEMBER = "MEGATIER_MEMBER_ID"  # a process's lifelong id
+ENV_SPARE = "MEGATIER_SPARE"  # "1": start idle and wait for a round to give the process a rank
+ENV_RUN = "MEGATIER_RUN_ID"  # the launch's id: its rounds' keys, apart from other launches on the same store
+FAULT_ENV = ("MEGATIER_CRASH_AT",)  # a drill's armed crash belongs to the rank it was armed on, not to a spare
+
+
+def exit_status(returncode: int) -> int:
+    """Shell-style status: a death by signal s becomes 128 + s."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def serve_store(port: int, timeout_s: float = 3600.0) -> dist.TCPStore:
+    """The membership store, served from this process on ``port`` (0: a free one; see ``.port``)."""
+    return dist.TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=timeout_s))
+
+
+def connect_store(address: str, timeout_s: float = 60.0) -> dist.TCPStore:
+    host, _, port = address.rpartition(":")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def run_prefix(run_id: str) -> str:
+    """The membership rounds' key prefix of launch ``run_id`` (the trainer derives the same from MEGATIER_RUN_ID)."""
+    return f"{PREFIX}/{run_id}"
+
+
+@dataclass
+class Child:
+    member: str
+    process: subprocess.Popen
+    reported: Optional[int] = None  # rounds decided when its death was reported (None: not dead)
+
+
+class NodeAgent:
+    """The agent of node ``node`` (see the module docstring)."""
+
+    def __init__(self, script_args: list[str], *, node: str, node_rank: int, nodes: int, procs: int, spares: int,
+                 store: str, run_id: str):
+        if procs < 0 or spares < 0 or procs + spares < 1:
+            raise ValueError(f"--nproc-per-node {procs} and --spares-per-node {spares}: start at least one process")
+        self.script_args, self.node, self.node_rank = script_args, node, node_rank
+        self.nodes, self.procs, self.spares = nodes, procs, spares
+        self.address, self.run_id = store, run_id
+        self.children: list[Child] = []
+        self.store: Optional[dist.TCPStore] = None
+
+    def _env(self, member: str, rank: Optional[int], local: int) -> dict:
+        env = dict(os.environ, MEGATIER_NODE_NAME=self.node, LOCAL_WORLD_SIZE=str(max(self.procs, 1)),
+                   **{ENV_STORE: self.address, ENV_MEMBER: member, ENV_RUN: self.run_id})
+        if rank is None:
+            env[ENV_SPARE] = "1"
+            for key in FAULT_ENV:
+                env.pop(key, None)
+            for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+                env.pop(key, None)
+        else:
+            env.update(RANK=str(rank), WORLD_SIZE=str(self.nodes * self.procs), LOCAL_RANK=str(local))
+        return env
+
+    def start(self) -> None:
+        self.store = connect_store(self.address)
+        command = [sys.executable, *self.script_args]
+        for local in range(self.procs):
+            member = f"{self.node}/{local}"
+            env = self._env(member, self.node_rank * self.procs + local, local)
+            self.children.append(Child(member, subprocess.Popen(command, env=env)))
+        for k in range(self.spares):
+            member = f"{self.node}/spare{k}"
+            self.children.append(Child(member, subprocess.Popen(command, env=self._env(member, None, 0))))
+
+    def poll(self) -> bool:
+        """Report the processes that failed since the last call; True while any is running."""
+        prefix = run_prefix(self.run_id)
+        for child in self.children:
+            code = child.process.poll()
+            if code not in (None, 0) and child.reported is None:
+                child.reported = MembershipRound.decided_epochs(self.store, prefix)
+                MembershipRound(self.store, 0, prefix).report_dead(child.member)
+        return any(c.process.poll() is None for c in self.children)
+
+    def status(self) -> int:
+        """0 when every failed process was replaced by a later round (a decision that formed a world) and the
+        others ended well; else the worst exit status."""
+        prefix = run_prefix(self.run_id)
+        decided = MembershipRound.decided_epochs(self.store, prefix)
+        worst = 0
+        for child in self.children:
+            code = exit_status(child.process.returncode)
+            replaced = child.reported is not None and any(
+                MembershipRound(self.store, e, prefix).outcome(1.0).assignment is not None
+                for e in range(child.reported + 1, decided + 1))
+            if not replaced:
+                worst = max(worst, code)
+        return worst
+
+    def run(self, poll_s: float = 0.05) -> int:
+        self.start()
+        while self.poll():
+            time.sleep(poll_s)
+        self.poll()
+        return self.status()
+
+    def stop(self, sig: int) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.send_signal(sig)

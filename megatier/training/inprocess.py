@@ -1,0 +1,187 @@
+"""In-process recovery: the processes that survive a failure re-form the job with hot spares and restore in place.
+
+With ``recovery.mode=inprocess`` and a membership store (``recovery.store``, or the one ``megatier-agent``
+names in MEGATIER_MEMBERSHIP_STORE), every process of a launch has a lifelong member id (MEGATIER_MEMBER_ID,
+``<node>/<slot>``; a hot spare's ``<node>/spare<k>``). When a peer dies, its collectives fail on every surviving
+rank (gloo: the connection closes, or the collective times out for a hung peer). Each survivor then
+
+1. stops its checkpoint threads without a collective (node memory keeps what they stored),
+2. tears down its process groups and joins the next membership round
+   (:mod:`megatier.parallel.membership`): survivors keep their ranks, a spare takes each lost one,
+3. rendezvouses the new world's groups under the round's part of the store and points its model, optimizer
+   and gradient buffer at them (:func:`~megatier.parallel.state.swap_groups`): nothing is rebuilt,
+4. builds a new checkpointer and restores as a relaunch would, except that a rank whose memory is already at
+   the agreed end reads nothing (``ShardAccess.live_version``).
+
+A spare started with MEGATIER_SPARE=1 has imported everything and waits in the rounds (:meth:`Membership.
+await_rank`) until one gives it a rank; it then builds its Trainer on the round's groups and restores the lost
+rank's state from its node's memory (a process crash) or its ring peer's (a lost node). A round that cannot
+complete (no spare for a lost rank within ``recovery.wait_for_replacement_s``, the store gone, a decider that
+died) ends the launch with :class:`RoundFailed`: the next launch restores exactly as after any failure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from megatier.config import RecoveryConfig
+from megatier.launcher.agent import ENV_MEMBER, ENV_RUN, ENV_SPARE, ENV_STORE, connect_store, run_prefix
+from megatier.parallel.assignment import Member
+from megatier.parallel.membership import MembershipRound
+
+log = logging.getLogger(__name__)
+
+_SPARE_POLL_S = 0.02
+
+
+class RoundFailed(RuntimeError):
+    """The membership round could not re-form the job; the launch ends and a relaunch restores."""
+
+
+def member_of(member_id: str) -> Member:
+    """The member whose id is ``<node>/<slot>``."""
+    node, _, slot = member_id.rpartition("/")
+    if not node or not slot:
+        raise ValueError(f"{ENV_MEMBER}={member_id!r} must be <node>/<slot>")
+    return Member(member_id, node)
+
+
+def is_spare() -> bool:
+    return os.environ.get(ENV_SPARE) == "1"
+
+
+def store_address(cfg: RecoveryConfig) -> Optional[str]:
+    """Where the membership store is, or None when this launch recovers by relaunch."""
+    if cfg.mode != "inprocess":
+        return None
+    return cfg.store or os.environ.get(ENV_STORE) or None
+
+
+@dataclass
+class Membership:
+    """This process's place in the job's membership rounds: the store, its id, the epoch (rounds so far) and
+    the holders of the current world's ranks."""
+
+    store: dist.Store
+    me: Member
+    prefix: str
+    cfg: RecoveryConfig
+    epoch: int = 0
+    world: list[Member] = field(default_factory=list)
+    assigned_at: Optional[float] = None  # a spare's: when a round gave it a rank (its recovery's detection)
+
+    @classmethod
+    def connect(cls, cfg: RecoveryConfig, timeout_s: float) -> Optional["Membership"]:
+        """The membership of this process, or None when it recovers by relaunch (no store known, no member id:
+        a launcher that restarts every process anyway)."""
+        address, member_id = store_address(cfg), os.environ.get(ENV_MEMBER)
+        if address is None or member_id is None:
+            return None
+        store = connect_store(address, timeout_s)
+        return cls(store, member_of(member_id), run_prefix(os.environ.get(ENV_RUN, "job")), cfg)
+
+    def process_group_store(self) -> dist.Store:
+        """Where this epoch's process groups rendezvous."""
+        return MembershipRound(self.store, self.epoch, self.prefix).process_group_store()
+
+    def learn_world(self, group: dist.ProcessGroup) -> None:
+        """Epoch 0: every rank tells every other its member id (one all-gather over ``group``)."""
+        ids: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(ids, self.me.id, group=group)
+        self.world = [member_of(i) for i in ids]
+
+    # ---- survivors -----------------------------------------------------------------------------
+
+    def survive(self, degrees: tuple[int, int, int]) -> int:
+        """Join the next round as a survivor; the rank this process holds in the re-formed world (its own, since
+        survivors keep theirs). RoundFailed when the round could not complete or left this process out."""
+        self.epoch += 1
+        rnd = MembershipRound(self.store, self.epoch, self.prefix)
+        wait = self.cfg.round_timeout_s + self.cfg.wait_for_replacement_s
+        try:
+            if rnd.join(self.me, survivor=True):
+                rnd.decide(degrees, self.world, deadline_s=self.cfg.round_timeout_s, shrink=False,
+                           replacement_s=self.cfg.wait_for_replacement_s)
+            outcome = rnd.outcome(timeout_s=wait + 10.0)
+        except (RuntimeError, dist.DistError) as e:  # the store is gone: nothing to re-form on
+            raise RoundFailed(f"the membership store is unreachable ({e})") from None
+        if outcome.role(self.me.id) != "rank":
+            raise RoundFailed("no spare took a lost rank within recovery.wait_for_replacement_s"
+                              if outcome.assignment is None else "this process was left out of the re-formed job")
+        return self._adopt(outcome.assignment)
+
+    def _adopt(self, assignment) -> int:
+        self.world = [member_of(h) for h in assignment.holders]
+        return assignment.rank_of(self.me.id)
+
+    # ---- spares --------------------------------------------------------------------------------
+
+    def await_rank(self) -> Optional[int]:
+        """A spare's wait: join each round until one gives this process a rank (returned), or the job ends
+        (None: the launch finished, or a round failed and the launch is ending)."""
+        self.epoch = MembershipRound.decided_epochs(self.store, self.prefix) + 1
+        while True:
+            rnd = MembershipRound(self.store, self.epoch, self.prefix)
+            rnd.join(self.me, survivor=False)
+            while not rnd.decided():
+                if MembershipRound.finished(self.store, self.prefix):
+                    return None
+                time.sleep(_SPARE_POLL_S)
+            outcome = rnd.outcome(timeout_s=1.0)
+            role = outcome.role(self.me.id, spare=True)
+            if role == "rank":
+                self.assigned_at = time.time()
+                return self._adopt(outcome.assignment)
+            if role == "leave":
+                return None
+            self.epoch += 1
+
+    def finish(self) -> None:
+        """The job ended: idle spares stop waiting."""
+        try:
+            MembershipRound.finish(self.store, self.prefix)
+        except (RuntimeError, dist.DistError) as e:
+            log.warning("could not tell the idle spares that the job ended: %s", e)
+
+
+def become_rank(membership: Membership, rank: int) -> None:
+    """The environment of a process that now holds ``rank`` of the current world. Its local rank is its place
+    among its node's ranks, so a spare takes the lost rank's ring position (same local rank, its ring peer)."""
+    world = membership.world
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(len(world))
+    os.environ["LOCAL_RANK"] = str([r for r, m in enumerate(world) if m.node == world[rank].node].index(rank))
+
+
+def wait_if_spare(cfg: RecoveryConfig, timeout_s: float) -> tuple[bool, Optional[Membership]]:
+    """For a hot spare (MEGATIER_SPARE=1): wait for a rank; (False, None) when the job ended without needing
+    it. Any other process: (True, None) at once."""
+    if not is_spare():
+        return True, None
+    membership = Membership.connect(cfg, timeout_s)
+    if membership is None:
+        raise RoundFailed(f"{ENV_SPARE}=1 needs recovery.mode=inprocess, a membership store and {ENV_MEMBER}")
+    rank = membership.await_rank()
+    if rank is None:
+        return False, None
+    become_rank(membership, rank)
+    log.info("spare %s takes rank %d (round %d)", membership.me.id, rank, membership.epoch)
+    return True, membership
+
+
+def release_spares(trainer, cfg: Optional[RecoveryConfig]) -> None:
+    """When a rank's process ends (the job finished, or failed in a way no round recovers): idle spares stop
+    waiting. A process that dies without getting here (a crash) is what the rounds recover from."""
+    membership = getattr(trainer, "membership", None)
+    if membership is None and cfg is not None and not is_spare():
+        try:
+            membership = Membership.connect(cfg, timeout_s=10.0)
+        except (RuntimeError, dist.DistError):
+            return  # no store: no spare is waiting on it
+    if membership is not None:
+        membership.finish()
