@@ -65,13 +65,23 @@ class _InOrder:
         self._jobs.put((fn, future))
         return future
 
+    def close(self) -> None:
+        """Let the helper thread end once the jobs before now are done."""
+        if self._started:
+            self._jobs.put(None)
+
     def _run(self) -> None:
         while True:
-            fn, future = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, future = job
+            del job
             try:
                 future.set_result(fn())
             except BaseException as e:  # handed to whoever waits for it
                 future.set_exception(e)
+            del fn, future  # the last job's closure must not keep its process group alive while idle
 
 
 class _Board:
@@ -111,6 +121,9 @@ class CheckpointComm(abc.ABC):
     @abc.abstractmethod
     def gather(self, item: Any, what: str = "a checkpoint collective") -> list:
         """Every rank's ``item`` (picklable), in rank order, on every rank; ``what`` names it in errors."""
+
+    def abandon(self) -> None:
+        """The world broke (in-process recovery): end this comm's helper threads; it is not used again."""
 
     @abc.abstractmethod
     def gather_ints(self, values: list[int], what: str = "a checkpoint collective") -> list[list[int]]:
@@ -171,6 +184,11 @@ class GroupComm(CheckpointComm):
         # The started (async) gathers run here: even starting an asynchronous gloo all-gather holds the caller
         # for milliseconds. In order, so every rank runs them in the same order.
         self._background = _InOrder("megatier-ckpt-sync")
+
+    def abandon(self) -> None:
+        self._background.close()
+        if self.board is not None:
+            self.board._writes.close()
 
     def _key(self, seq: int, rank: int) -> str:
         return f"megatier/ckpt/{seq}/{rank}"

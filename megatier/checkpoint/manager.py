@@ -505,6 +505,7 @@ class CheckpointManager:
         theirs (:meth:`Tier.abort`); gathers in flight are dropped with their process group. The manager
         cannot be used afterwards: the re-formed job builds a new one."""
         self._syncs = []
+        self.ctx.comm.abandon()
         self.capture.close()
         try:
             self.worker.close(timeout)

@@ -17,11 +17,20 @@ drill exits). For each step S of ``--at-step`` the drill:
   node      the same kill, then wipes the victim node's Tier-1 area (its memory is
             gone) and relaunches with a replacement node of the same name;
   rack      kills every process at S, wipes every node's Tier-1 area, relaunches.
+  hang      (in-process only) SIGSTOPs one rank after S: the others' collectives time out
+            (parallel.timeout_s), the round goes on without it after recovery.round_timeout_s,
+            and its agent kills it.
   stage     kills the ranks of pipeline stage ``--stage`` at S and wipes every copy
             of their units (their Tier-1 areas, their replicas on other nodes, their
             Tier-3 objects; the commit records stay, as when objects go missing), then
             relaunches with ``checkpoint.last_resort=checkfree`` (unless the overrides
             set another): the stage is rebuilt from its neighbours, not exactly.
+
+With ``--recovery inprocess`` the nodes run ``megatier-agent`` instead of torchrun and the job is launched
+once: failure k kills (software) or hangs (hang) one rank of the victim node, its last rank first, and a hot
+spare on that node takes it; a node failure kills every rank of the victim node and a node of spares takes
+them. The survivors keep their processes and their state: the recovery record must show them in place (zero
+bytes read) or rolled back from their own Tier-1, and the lost ranks served as the class requires.
 
 With ``--no-spare`` (node failures) no replacement arrives: the job carries on
 on the surviving nodes with a smaller dp. Its restore reshards the state (the
@@ -75,7 +84,7 @@ from typing import Optional
 
 from megatier.config import split_overrides
 from megatier.drill.harness import drill
-from megatier.drill.spec import CLASSES, DrillError, DrillSpec
+from megatier.drill.spec import CLASSES, RECOVERY_MODES, DrillError, DrillSpec
 
 
 def parse_args(argv: list[str]) -> tuple[DrillSpec, Optional[str]]:
@@ -95,6 +104,12 @@ def parse_args(argv: list[str]) -> tuple[DrillSpec, Optional[str]]:
                                                           "newest Tier-1 base before relaunching (checksum drill)")
     p.add_argument("--no-spare", action="store_true", help="node failures: no replacement node; the job carries on "
                                                             "on the survivors with a smaller dp (resharded restore)")
+    p.add_argument("--recovery", choices=RECOVERY_MODES, default="relaunch",
+                   help="relaunch the job after each failure (torchrun), or recover in place (megatier-agent: the "
+                        "survivors keep running, hot spares take the lost ranks; software, node and hang failures)")
+    p.add_argument("--spares-per-node", type=int, default=None,
+                   help="in-process: idle spares on every node (default: one per failure on each node; a node "
+                        "failure gets a node of spares instead)")
     p.add_argument("--compare", action="store_true",
                    help="also run fault-free and compare the final state_digest (with --no-spare: the canonical "
                         "digest at the recovery point)")
@@ -106,7 +121,8 @@ def parse_args(argv: list[str]) -> tuple[DrillSpec, Optional[str]]:
     a = p.parse_args(argv)
     work = os.path.abspath(a.work_dir or tempfile.mkdtemp(prefix="megatier_drill_"))
     spec = DrillSpec(a.fail, tuple(sorted(a.at_step)), tuple(overrides), a.nodes, a.procs_per_node, a.victim,
-                     a.stage, a.corrupt, a.no_spare, a.compare, work, a.fail_grace_s, a.timeout_s)
+                     a.stage, a.corrupt, a.no_spare, a.compare, work, a.fail_grace_s, a.timeout_s,
+                     recovery=a.recovery, spares_per_node=a.spares_per_node)
     problem = spec.problem()
     if problem is not None:
         p.error(problem)

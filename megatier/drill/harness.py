@@ -63,8 +63,32 @@ def inject(spec: DrillSpec, job: Job, at_step: int, k: int) -> int:
     return status
 
 
+def run_inprocess(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict], int]:
+    """In-process recovery: one launch with every failure armed on its victims (:meth:`DrillSpec.victim_ranks`);
+    the survivors and spares recover each in place and the job finishes in the same launch. A node failure's
+    memory is wiped after the launch: nothing reads it meanwhile (no process runs on that node any more)."""
+    hang = ":stop" if spec.fail == "hang" else ""
+    armed = ",".join(f"{CrashPoint.TRAIN_STEP_END}:{s}:{r}{hang}" for k, s in enumerate(spec.at_steps)
+                     for r in spec.victim_ranks(k))
+    status = launch(spec.launch, job, "launch0-inprocess", {spec.victim_node: {"MEGATIER_CRASH_AT": armed}})
+    if spec.fail == "node":
+        shutil.rmtree(job.node_area(f"node{spec.victim_node}"), ignore_errors=True)
+    records = read_metrics(job)
+    found = [r for r in records if r.get("event") == "recovery"]
+    timings = [{k: v for k, v in r.items() if k.startswith("recovery_")} for r in records if "recovery_total_s" in r]
+    recoveries = []
+    for k, at_step in enumerate(spec.at_steps):
+        rec = Recovery(at_step, status, found[k] if k < len(found) else None,
+                       timings[k] if k < len(timings) else None)
+        check_recovery(spec, job, rec)
+        recoveries.append(rec)
+    return recoveries, records, status
+
+
 def run_drill(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict], int]:
     """Inject every failure in turn, then let the job finish; returns the recoveries and the final launch."""
+    if spec.inprocess:
+        return run_inprocess(spec, job)
     recoveries: list[Recovery] = []
     for k, at_step in enumerate(sorted(spec.at_steps)):
         status = inject(spec, job, at_step, k)

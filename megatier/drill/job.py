@@ -91,7 +91,8 @@ def launch(settings: LaunchSettings, job: Job, log_name: str, node_env: Optional
         os.dup2(log.fileno(), 2)
         try:
             cluster = LocalCluster(settings.nodes, settings.procs_per_node, trainer_command(job.overrides),
-                                   node_env=node_env)
+                                   node_env=node_env, recovery=settings.recovery,
+                                   spares_per_node=settings.spares_per_node, spare_nodes=settings.spare_nodes)
             cluster.start()
             return cluster.wait(fail_grace_s=settings.fail_grace_s, timeout_s=settings.timeout_s)
         finally:

@@ -33,7 +33,7 @@ def max_steps_lost(fail: str, job: Job) -> Optional[int]:
         return None
     if not job.per_step:
         return job.batch
-    return 1 if fail in ("software", "stage") else 2
+    return 1 if fail in ("software", "stage", "hang") else 2
 
 
 def _check_stage(spec: DrillSpec, job: Job, rec: Recovery) -> None:
@@ -55,6 +55,26 @@ def _check_stage(spec: DrillSpec, job: Job, rec: Recovery) -> None:
         rec.problems.append(f"stage failure read {r['bytes_tier3']} bytes from Tier-3; the others' Tier-1 serves it")
 
 
+def _check_in_place(spec: DrillSpec, rec: Recovery) -> None:
+    """In-process recovery: the ranks the failure killed read their state; every survivor either kept its state
+    in memory (at E: zero bytes read) or rolled back from its own Tier-1; the recovery was timed as in place."""
+    r = rec.record
+    killed = set(spec.victim_ranks(spec.at_steps.index(rec.at_step)))
+    in_place = set(r.get("ranks_in_place") or [])
+    tiers = r.get("rank_tiers") or []
+    if killed & in_place:
+        rec.problems.append(f"ranks {sorted(killed & in_place)} were killed but kept their state in place")
+    for q, t in enumerate(tiers):
+        if q in in_place and t:
+            rec.problems.append(f"rank {q} kept its state in place but read {t}")
+        if q not in in_place and not t:
+            rec.problems.append(f"rank {q} neither kept its state nor read one")
+    if r["end"] == rec.at_step and not in_place:  # the survivors had finished step E and no more
+        rec.problems.append("no survivor kept its state in place at E: the recovery was not in-process")
+    if rec.timeline is not None and rec.timeline.get("recovery_mode") != "inprocess":
+        rec.problems.append(f"the recovery was timed as {rec.timeline.get('recovery_mode')}, not inprocess")
+
+
 def unit_nodes(spec: DrillSpec, record: dict) -> list[str]:
     """The node each rank's units were written on, by the rank that wrote them: where it runs now, or after a
     resharded restore (``rank_tiers`` then counts the old layout's ranks) where it ran before (torchrun
@@ -74,6 +94,9 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     r["steps_lost_drill"] = lost  # from the step the drill killed at (Tier-1 progress may be wiped)
     tiers, nodes = r.get("rank_tiers") or [], unit_nodes(spec, r)
     lost_nodes = {f"node{i}" for i in spec.victims()}
+    if spec.inprocess:  # a spare node's ranks replaced the lost node's
+        lost_nodes |= {f"node{spec.nodes + i}" for i in range(spec.launch.spare_nodes)}
+        _check_in_place(spec, rec)
     if spec.no_spare and not r.get("resharded"):
         rec.problems.append("the job carried on without a spare node but its restore did not reshard")
     bound = max_steps_lost(spec.fail, job)
@@ -94,7 +117,9 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     if spec.corrupt:
         return  # the corrupted rank rightly reads its base from another tier
     for q, (t, node) in enumerate(zip(tiers, nodes)):
-        if node not in lost_nodes or spec.fail == "software":
+        if spec.inprocess and not t:
+            continue  # kept in place (checked above)
+        if node not in lost_nodes or spec.fail in ("software", "hang"):
             if t != [TIER1]:
                 rec.problems.append(f"rank {q} on surviving {node} was served from {t}, not its own Tier-1")
         elif TIER1 in t and not spec.no_spare:
@@ -103,7 +128,7 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
         elif TIER3 in t:
             rec.notes.append(f"rank {q} read from {t}: the newest base's Tier-2 replica was still in transfer "
                              f"(pick --at-step later in a base interval to exercise Tier-2)")
-    if spec.fail == "software" and r["bytes_tier3"]:
+    if spec.fail in ("software", "hang") and r["bytes_tier3"]:
         rec.problems.append(f"software failure read {r['bytes_tier3']} bytes from Tier-3; Tier-1 should serve it")
     if spec.fail == "node" and r["bytes_tier3"] and not rec.notes:
         rec.problems.append(f"node failure read {r['bytes_tier3']} bytes from Tier-3")
@@ -181,9 +206,14 @@ def _timeline_lines(t: Optional[dict]) -> list[str]:
     if not t:
         return []
     n = t["recovery_steps_rerun"]
+    if t["recovery_mode"] == "inprocess":
+        detection, reform = "a survivor's collective failed", "checkpoint threads stopped, round, process groups, tiers"
+    else:
+        detection = "the launcher saw it, stopped the rest, started anew"
+        reform = "imports, process groups, model, tiers"
     return [f"    failure to the first step after it {_seconds(t['recovery_total_s'])} ({t['recovery_mode']}): "
-            f"detection {_seconds(t['recovery_detection_s'])} (the launcher saw it, stopped the rest, started anew), "
-            f"re-form {_seconds(t['recovery_reform_s'])} (imports, process groups, model, tiers), restore "
+            f"detection {_seconds(t['recovery_detection_s'])} ({detection}), "
+            f"re-form {_seconds(t['recovery_reform_s'])} ({reform}), restore "
             f"{_seconds(t['recovery_restore_s'])}, rerun {_seconds(t['recovery_rerun_s'])} (step E+1; {n} step"
             f"{'' if n == 1 else 's'} lay between E and the failure)"]
 
@@ -203,7 +233,8 @@ def format_report(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: 
         if r is None:
             continue
         old = "old " if r.get("resharded") else ""
-        sources = ", ".join(f"{old}rank {q}@{node}: {'+'.join(t) or '-'}"
+        kept = set(r.get("ranks_in_place") or [])
+        sources = ", ".join(f"{old}rank {q}@{node}: {'+'.join(t) or ('in place' if q in kept else '-')}"
                             for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], unit_nodes(spec, r))))
         lines += [
             f"    class {r['failure_class']} (injected {spec.fail}); base V={r['version']}, replayed to E={r['end']}, "

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-CLASSES = ("software", "node", "rack", "stage")
+CLASSES = ("software", "node", "rack", "stage", "hang")
+RECOVERY_MODES = ("relaunch", "inprocess")
 
 
 class DrillError(RuntimeError):
@@ -20,9 +21,13 @@ class LaunchSettings:
     procs_per_node: int
     fail_grace_s: float = 5.0  # after the victims die, seconds the other nodes get before they are stopped
     timeout_s: float = 900.0  # limit of each launch
+    recovery: str = "relaunch"  # inprocess: megatier-agent per node, survivors re-form the job with spares
+    spares_per_node: int = 0
+    spare_nodes: int = 0  # nodes of spares only (procs_per_node spares each)
 
     def on(self, nodes: int) -> "LaunchSettings":
-        return LaunchSettings(nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s)
+        return LaunchSettings(nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s, self.recovery,
+                              self.spares_per_node, self.spare_nodes)
 
 
 @dataclass(frozen=True)
@@ -43,14 +48,34 @@ class DrillSpec:
     fail_grace_s: float = 5.0
     timeout_s: float = 900.0
     extra: tuple[str, ...] = field(default=())  # overrides before the user's (the class's defaults)
+    recovery: str = "relaunch"
+    spares_per_node: Optional[int] = None  # in-process: default one per failure on the victim node (none for node)
 
     @property
     def victim_node(self) -> int:
         return self.nodes - 1 if self.victim is None else self.victim
 
     @property
+    def inprocess(self) -> bool:
+        return self.recovery == "inprocess"
+
+    @property
     def launch(self) -> LaunchSettings:
-        return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s)
+        if not self.inprocess:
+            return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s)
+        spares = self.spares_per_node
+        if spares is None:
+            spares = 0 if self.fail == "node" else len(self.at_steps)
+        return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s, self.recovery,
+                              spares, 1 if self.fail == "node" else 0)
+
+    def victim_ranks(self, k: int) -> list[int]:
+        """In-process drills (ranks are node-major there): the ranks failure ``k`` kills: the victim node's last
+        rank for the first, the one before it for the second, ...; every rank of the node for a node failure."""
+        first = self.victim_node * self.procs_per_node
+        if self.fail == "node":
+            return list(range(first, first + self.procs_per_node))
+        return [first + (self.procs_per_node - 1 - k) % self.procs_per_node]
 
     def victims(self) -> list[int]:
         """The node indices the failure kills (a stage failure kills ranks, no node)."""
@@ -62,6 +87,18 @@ class DrillSpec:
         """Why this drill cannot run (one line), or None."""
         if self.fail not in CLASSES:
             return f"--fail {self.fail}: choose one of {', '.join(CLASSES)}"
+        if self.recovery not in RECOVERY_MODES:
+            return f"--recovery {self.recovery}: choose one of {', '.join(RECOVERY_MODES)}"
+        if self.inprocess and self.fail not in ("software", "node", "hang"):
+            return f"--recovery inprocess drills software, node and hang failures, not {self.fail}"
+        if self.fail == "hang" and not self.inprocess:
+            return "--fail hang goes with --recovery inprocess (a relaunch ends a hung job by its timeouts)"
+        if self.inprocess and (self.corrupt or self.no_spare):
+            return "--corrupt and --no-spare go with --recovery relaunch"
+        if self.inprocess and self.fail == "node" and len(self.at_steps) != 1:
+            return "an in-process node drill takes one --at-step (one spare node)"
+        if not self.inprocess and self.spares_per_node:
+            return "--spares-per-node goes with --recovery inprocess"
         if self.nodes < 1 or self.procs_per_node < 1:
             return "--nodes and --procs-per-node must be >= 1"
         if not 0 <= self.victim_node < self.nodes:

@@ -8,6 +8,8 @@ This agent (``megatier-agent``, one per node) instead
   launch's run id (:mod:`megatier.training.inprocess`); their process groups rendezvous on that store;
 * reports each process that exits with a failure as dead to the membership round, so the survivors' round
   does not wait for it, and leaves every other process running;
+* kills a process that a round left out of the re-formed job without its having exited (a hung rank: the
+  round went on without it after ``recovery.round_timeout_s``), so it never comes back as a second holder;
 * optionally serves the membership store itself (``serve_store``): the store must outlive any one training
   process, so it runs in an agent (or a host of its own), never in a rank.
 
@@ -61,6 +63,7 @@ class Child:
     member: str
     process: subprocess.Popen
     reported: Optional[int] = None  # rounds decided when its death was reported (None: not dead)
+    holds_rank: bool = False  # holds a rank of the current world (as far as this agent has read the rounds)
 
 
 class NodeAgent:
@@ -75,9 +78,13 @@ class NodeAgent:
         self.address, self.run_id = store, run_id
         self.children: list[Child] = []
         self.store: Optional[dist.TCPStore] = None
+        self.prefix = run_prefix(run_id)
+        self._read_rounds = 0  # decided rounds this agent has acted on
 
     def _env(self, member: str, rank: Optional[int], local: int) -> dict:
-        env = dict(os.environ, MEGATIER_NODE_NAME=self.node, LOCAL_WORLD_SIZE=str(max(self.procs, 1)),
+        # The ranks this node will run: a node of spares runs as many as it has spares (threads per process follow).
+        local_world = self.procs or self.spares
+        env = dict(os.environ, MEGATIER_NODE_NAME=self.node, LOCAL_WORLD_SIZE=str(local_world),
                    **{ENV_STORE: self.address, ENV_MEMBER: member, ENV_RUN: self.run_id})
         if rank is None:
             env[ENV_SPARE] = "1"
@@ -95,33 +102,57 @@ class NodeAgent:
         for local in range(self.procs):
             member = f"{self.node}/{local}"
             env = self._env(member, self.node_rank * self.procs + local, local)
-            self.children.append(Child(member, subprocess.Popen(command, env=env)))
+            self.children.append(Child(member, subprocess.Popen(command, env=env), holds_rank=True))
         for k in range(self.spares):
             member = f"{self.node}/spare{k}"
             self.children.append(Child(member, subprocess.Popen(command, env=self._env(member, None, 0))))
 
     def poll(self) -> bool:
-        """Report the processes that failed since the last call; True while any is running."""
-        prefix = run_prefix(self.run_id)
+        """Report the processes that failed since the last call, stop those a new round left out; True while
+        any process runs."""
         for child in self.children:
             code = child.process.poll()
             if code not in (None, 0) and child.reported is None:
-                child.reported = MembershipRound.decided_epochs(self.store, prefix)
-                MembershipRound(self.store, 0, prefix).report_dead(child.member)
+                child.reported = MembershipRound.decided_epochs(self.store, self.prefix)
+                MembershipRound(self.store, 0, self.prefix).report_dead(child.member)
+        self._follow_rounds()
         return any(c.process.poll() is None for c in self.children)
 
-    def status(self) -> int:
+    def _follow_rounds(self) -> None:
+        decided = MembershipRound.decided_epochs(self.store, self.prefix)
+        while self._read_rounds < decided:
+            self._read_rounds += 1
+            assignment = MembershipRound(self.store, self._read_rounds, self.prefix).outcome(5.0).assignment
+            if assignment is None:
+                continue
+            for child in self.children:
+                holds = child.member in assignment.holders
+                if child.holds_rank and not holds and child.member not in assignment.idle \
+                        and child.process.poll() is None:
+                    child.process.kill()  # hung: the job went on without it (this round replaced it)
+                    child.reported = self._read_rounds - 1
+                child.holds_rank = holds
+
+    def _replaced(self, child: Child, wait_s: float) -> bool:
+        """Whether a round after ``child``'s death formed a world without it; waits up to ``wait_s`` for one
+        (the survivors may still be deciding when this node's last process has died)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            decided = MembershipRound.decided_epochs(self.store, self.prefix)
+            if any(MembershipRound(self.store, e, self.prefix).outcome(1.0).assignment is not None
+                   for e in range(child.reported + 1, decided + 1)):
+                return True
+            if MembershipRound.finished(self.store, self.prefix) or time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+
+    def status(self, wait_s: float = 120.0) -> int:
         """0 when every failed process was replaced by a later round (a decision that formed a world) and the
         others ended well; else the worst exit status."""
-        prefix = run_prefix(self.run_id)
-        decided = MembershipRound.decided_epochs(self.store, prefix)
         worst = 0
         for child in self.children:
             code = exit_status(child.process.returncode)
-            replaced = child.reported is not None and any(
-                MembershipRound(self.store, e, prefix).outcome(1.0).assignment is not None
-                for e in range(child.reported + 1, decided + 1))
-            if not replaced:
+            if code and not (child.reported is not None and self._replaced(child, wait_s)):
                 worst = max(worst, code)
         return worst
 

@@ -219,10 +219,11 @@ class GoodputLedger:
         ``detected_at``: the recovery is in place, and the failure was acted on then (its timeline's mode)."""
         if self.state is not None:
             s = self.state
-            if recovery is not None and detected_at is not None:
+            if recovery is not None and detected_at is not None:  # the gap since the last update is restart
                 s.restarts += 1
                 self.timeline = RecoveryTimeline(s.mark, detected_at, self.clock(), _recovery_seconds(recovery),
                                                  max(0, s.last_step - start_step), mode="inprocess")
+                self._first_update, self._pending_restore = True, 0.0
             self._reconcile(start_step)
             self._pending_restore += _recovery_seconds(recovery)
             return
