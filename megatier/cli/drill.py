@@ -110,6 +110,9 @@ def parse_args(argv: list[str]) -> tuple[DrillSpec, Optional[str]]:
     p.add_argument("--spares-per-node", type=int, default=None,
                    help="in-process: idle spares on every node (default: one per failure on each node; a node "
                         "failure gets a node of spares instead)")
+    p.add_argument("--fail-during-recovery", action="store_true",
+                   help="in-process node failures: rank 0 also dies while it rolls back, a second failure during the "
+                        "recovery: the round cannot complete and the job falls back to a relaunch")
     p.add_argument("--compare", action="store_true",
                    help="also run fault-free and compare the final state_digest (with --no-spare: the canonical "
                         "digest at the recovery point)")
@@ -122,7 +125,8 @@ def parse_args(argv: list[str]) -> tuple[DrillSpec, Optional[str]]:
     work = os.path.abspath(a.work_dir or tempfile.mkdtemp(prefix="megatier_drill_"))
     spec = DrillSpec(a.fail, tuple(sorted(a.at_step)), tuple(overrides), a.nodes, a.procs_per_node, a.victim,
                      a.stage, a.corrupt, a.no_spare, a.compare, work, a.fail_grace_s, a.timeout_s,
-                     recovery=a.recovery, spares_per_node=a.spares_per_node)
+                     recovery=a.recovery, spares_per_node=a.spares_per_node,
+                     fail_in_recovery=a.fail_during_recovery)
     problem = spec.problem()
     if problem is not None:
         p.error(problem)

@@ -3,6 +3,7 @@ optionally run the same job without a failure to compare (see ``megatier-drill``
 :mod:`megatier.cli.drill`)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -70,19 +71,41 @@ def run_inprocess(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict]
     hang = ":stop" if spec.fail == "hang" else ""
     armed = ",".join(f"{CrashPoint.TRAIN_STEP_END}:{s}:{r}{hang}" for k, s in enumerate(spec.at_steps)
                      for r in spec.victim_ranks(k))
-    status = launch(spec.launch, job, "launch0-inprocess", {spec.victim_node: {"MEGATIER_CRASH_AT": armed}})
+    env = {spec.victim_node: {"MEGATIER_CRASH_AT": armed}}
+    if spec.fail_in_recovery:  # the first replay of rank 0 is the in-place rollback
+        env[0] = {"MEGATIER_CRASH_AT": f"{CrashPoint.REPLAY_MID_BATCH}:1:0"}
+    status = launch(spec.launch, job, "launch0-inprocess", env)
     if spec.fail == "node":
         shutil.rmtree(job.node_area(f"node{spec.victim_node}"), ignore_errors=True)
-    records = read_metrics(job)
+    fell_back = status != 0
+    if fell_back:  # a round that could not complete ends the launch; the next one restores as after any failure
+        status = launch(spec.launch, job, "launch1-relaunch")
+    records = _every_launch(job)
     found = [r for r in records if r.get("event") == "recovery"]
     timings = [{k: v for k, v in r.items() if k.startswith("recovery_")} for r in records if "recovery_total_s" in r]
     recoveries = []
     for k, at_step in enumerate(spec.at_steps):
         rec = Recovery(at_step, status, found[k] if k < len(found) else None,
                        timings[k] if k < len(timings) else None)
+        if fell_back and rec.timeline is not None and rec.timeline.get("recovery_mode") == "relaunch":
+            rec.notes.append(f"the in-process recovery of the failure at step {at_step} did not complete (a second "
+                             f"failure during it); the job fell back to a relaunch, which recovered it")
         check_recovery(spec, job, rec)
         recoveries.append(rec)
-    return recoveries, records, status
+    return recoveries, read_metrics(job), status
+
+
+def _every_launch(job: Job) -> list[dict]:
+    """The job's metrics records of every launch, oldest launch first (metrics.<n>.jsonl, then the current)."""
+    older = sorted((n for n in os.listdir(job.run_dir) if n.startswith("metrics.") and n.count(".") == 2),
+                   key=lambda n: int(n.split(".")[1]) if n.split(".")[1].isdigit() else 0)
+    out = []
+    for name in [*older, "metrics.jsonl"]:
+        path = os.path.join(job.run_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                out += [json.loads(line) for line in f if line.strip()]
+    return out
 
 
 def run_drill(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict], int]:

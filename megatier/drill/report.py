@@ -94,8 +94,10 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     r["steps_lost_drill"] = lost  # from the step the drill killed at (Tier-1 progress may be wiped)
     tiers, nodes = r.get("rank_tiers") or [], unit_nodes(spec, r)
     lost_nodes = {f"node{i}" for i in spec.victims()}
+    inplace = spec.inprocess and (rec.timeline or {}).get("recovery_mode") != "relaunch"
     if spec.inprocess:  # a spare node's ranks replaced the lost node's
         lost_nodes |= {f"node{spec.nodes + i}" for i in range(spec.launch.spare_nodes)}
+    if inplace:
         _check_in_place(spec, rec)
     if spec.no_spare and not r.get("resharded"):
         rec.problems.append("the job carried on without a spare node but its restore did not reshard")
@@ -117,7 +119,7 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     if spec.corrupt:
         return  # the corrupted rank rightly reads its base from another tier
     for q, (t, node) in enumerate(zip(tiers, nodes)):
-        if spec.inprocess and not t:
+        if inplace and not t:
             continue  # kept in place (checked above)
         if node not in lost_nodes or spec.fail in ("software", "hang"):
             if t != [TIER1]:

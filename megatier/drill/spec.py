@@ -50,6 +50,7 @@ class DrillSpec:
     extra: tuple[str, ...] = field(default=())  # overrides before the user's (the class's defaults)
     recovery: str = "relaunch"
     spares_per_node: Optional[int] = None  # in-process: default one per failure on the victim node (none for node)
+    fail_in_recovery: bool = False  # in-process node drill: rank 0 also dies in the recovery's rollback
 
     @property
     def victim_node(self) -> int:
@@ -99,6 +100,9 @@ class DrillSpec:
             return "an in-process node drill takes one --at-step (one spare node)"
         if not self.inprocess and self.spares_per_node:
             return "--spares-per-node goes with --recovery inprocess"
+        if self.fail_in_recovery and not (self.inprocess and self.fail == "node" and self.victim_node != 0):
+            return ("--fail-during-recovery goes with --recovery inprocess --fail node and a victim other than node 0 "
+                    "(rank 0 dies while it rolls back from its own node's memory)")
         if self.nodes < 1 or self.procs_per_node < 1:
             return "--nodes and --procs-per-node must be >= 1"
         if not 0 <= self.victim_node < self.nodes:
