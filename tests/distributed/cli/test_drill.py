@@ -107,15 +107,6 @@ def summary(work: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def drill_reference(tmp_path_factory) -> str:
-    """The fault-free digest of the DRILL job, checkpointing off: checkpointing must not change training."""
-    work = tmp_path_factory.mktemp("drill_ref")
-    status, _ = run_job(work, [*DRILL, "checkpoint.enabled=false"], nodes=2, procs=2)
-    assert status == 0
-    return summary(work)["state_digest"]
-
-
-@pytest.fixture(scope="module")
 def llama_reference(tmp_path_factory) -> str:
     work = tmp_path_factory.mktemp("llama_ref")
     status, _ = run_job(work, [*LLAMA_DRILL, "checkpoint.enabled=false"], nodes=2, procs=2)

@@ -118,3 +118,14 @@ def test_split_overrides_takes_what_follows_the_first_double_dash():
     assert split_overrides(argv) == (["--nodes", "2"], ["model=tiny", "--", "x"])
     assert split_overrides(["--nodes", "2"]) == (["--nodes", "2"], [])
     assert split_overrides(["--"]) == ([], [])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("recovery.mode=restart", r"^recovery\.mode='restart' must be inprocess or relaunch$"),
+    ("recovery.store=hostonly", r"^recovery\.store='hostonly' must be host:port"),
+    ("recovery.wait_for_replacement_s=-1", r"^recovery\.wait_for_replacement_s=-1\.0 must be >= 0$"),
+    ("recovery.round_timeout_s=0", r"^recovery\.round_timeout_s=0\.0 must be positive$"),
+])
+def test_recovery_settings_are_checked(compose_config, override, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(override))

@@ -24,3 +24,16 @@ def test_a_rack_failure_may_leave_rank_0_one_step_behind_when_the_armed_crash_fi
     assert not _died_as_armed(_spec("rack"), 17, 15, str(log))
     log.write_text("Traceback: something else killed it at step 17\n")
     assert not _died_as_armed(_spec("rack"), 17, 16, str(log))
+
+
+def test_in_process_drills_kill_the_victim_nodes_last_ranks_first_and_say_what_they_cannot_do():
+    spec = DrillSpec("software", (12, 22), nodes=2, procs_per_node=2, recovery="inprocess")
+    assert [spec.victim_ranks(k) for k in range(2)] == [[3], [2]]
+    assert (spec.launch.spares_per_node, spec.launch.spare_nodes) == (2, 0)  # a spare per failure
+    node = DrillSpec("node", (19,), nodes=2, procs_per_node=2, recovery="inprocess")
+    assert node.victim_ranks(0) == [2, 3] and (node.launch.spares_per_node, node.launch.spare_nodes) == (0, 1)
+    assert DrillSpec("rack", (5,), recovery="inprocess").problem().startswith("--recovery inprocess drills")
+    assert DrillSpec("hang", (5,)).problem().startswith("--fail hang goes with --recovery inprocess")
+    assert "--fail-during-recovery" in DrillSpec("software", (5,), recovery="inprocess",
+                                                 fail_in_recovery=True).problem()
+    assert DrillSpec("node", (19,), recovery="inprocess", fail_in_recovery=True).problem() is None

@@ -238,6 +238,32 @@ def test_a_relaunch_times_its_recovery_from_the_failure_to_its_first_step_in_par
     assert "recovery_total_s" not in _train(relaunch, clock, [9])  # once, on the first step after the restore
 
 
+def test_an_in_place_recovery_is_timed_from_the_last_update_and_its_gap_is_restart(tmp_path):
+    clock = Clock()
+    ledger = _open(tmp_path, clock)
+    ledger.resume(0)
+    before = _train(ledger, clock, range(1, 11))
+    failed_at = clock()
+    clock.t += 0.05  # a survivor's collective fails
+    detected = clock()
+    clock.t += 0.3  # threads stopped, the round, new process groups and checkpointer
+    clock.t += 0.2  # the restore
+    ledger.resume(9, {"event": "recovery", "end": 9, "t_consensus_s": 0.05, "t_rollback_s": 0.05,
+                      "t_replay_s": 0.1}, detected_at=detected)
+    fields = _train(ledger, clock, [10])
+    assert fields["recovery_mode"] == "inprocess" and fields["recovery_steps_rerun"] == 1
+    assert fields["recovery_detection_s"] == pytest.approx(0.05)
+    assert fields["recovery_reform_s"] == pytest.approx(0.3)
+    assert fields["recovery_restore_s"] == pytest.approx(0.2)
+    assert fields["recovery_total_s"] == pytest.approx(clock() - failed_at)
+    _adds_up(fields)
+    assert fields["goodput_restarts"] == before["goodput_restarts"] + 1
+    assert fields["goodput_restore_s"] == pytest.approx(0.2)  # the record's, not the launch's start-up
+    gap = fields["goodput_restart_s"] - before["goodput_restart_s"]
+    assert gap == pytest.approx(0.05 + 0.3 + BOOKKEEPING_S)  # detection, re-form and the loop's bookkeeping
+    assert fields["goodput_steps_lost"] == 1
+
+
 def test_a_continuation_after_a_clean_exit_times_no_recovery(tmp_path):
     clock = Clock()
     ledger = _open(tmp_path, clock)

@@ -106,3 +106,39 @@ def test_a_decider_that_never_answers_ends_the_round_for_the_others(store):
     started = time.monotonic()
     outcome = other.outcome(timeout_s=0.5)
     assert outcome.assignment is None and outcome.role(WORLD[1].id) == "leave" and time.monotonic() - started < 5
+
+
+def test_a_spare_that_died_with_its_node_is_not_given_a_rank(store):
+    dead_spare = Member("node1/spare0", "node1")
+    client = _client(store)
+    MembershipRound(client, epoch=1).join(dead_spare, survivor=False)
+    for member in (WORLD[3], dead_spare):  # the node's rank and its spare died together
+        MembershipRound(client, epoch=1).report_dead(member.id)
+    out = _in_threads(store, {**{m.id: _survivor(m) for m in WORLD[:3]}, SPARE.id: _spare(SPARE)})
+    (a,) = {o.assignment for o in out.values()}
+    assert a.holders[3] == SPARE.id and dead_spare.id not in a.idle
+
+
+def test_without_a_spare_the_decider_waits_for_a_replacement_to_join(store):
+    MembershipRound(_client(store), epoch=1).report_dead(WORLD[1].id)
+
+    def decider(rnd):
+        assert rnd.join(WORLD[0], survivor=True)
+        return rnd.decide((2, 1, 2), WORLD, deadline_s=10, shrink=False, replacement_s=20)
+
+    def replacement(rnd):
+        time.sleep(0.5)  # started after the failure, e.g. by a scheduler
+        rnd.join(Member("node7/spare0", "node7"), survivor=False)
+        return rnd.outcome(timeout_s=30)
+
+    jobs = {WORLD[0].id: decider, **{m.id: _survivor(m) for m in WORLD[2:]}, "late": replacement}
+    out = _in_threads(store, jobs)
+    assert out["late"].assignment.holders[1] == "node7/spare0"
+    assert MembershipRound.decided_epochs(_client(store)) == 1
+
+
+def test_the_end_of_the_job_is_seen_by_idle_spares(store):
+    client = _client(store)
+    assert not MembershipRound.finished(client) and not MembershipRound(client, 1).decided()
+    MembershipRound.finish(client)
+    assert MembershipRound.finished(_client(store))

@@ -102,3 +102,33 @@ def test_a_poisoned_base_with_a_valid_checksum_is_never_restored():
     result = restore(context(tiers), shard, allow_fresh_start=False)
     assert result.version == 0 and result.end == 10
     assert torch.equal(opt.master, snaps[10]["master"]) and bool(torch.isfinite(opt.master).all())
+
+
+class _CountingTier(MemoryTier):
+    def __init__(self, label):
+        super().__init__(label)
+        self.reads = 0
+
+    def read(self, copy):
+        self.reads += 1
+        return super().read(copy)
+
+
+def test_a_rank_whose_memory_is_at_the_end_keeps_it_and_reads_nothing():
+    """In-process recovery: a survivor at E keeps its state (no read, no replay); one step ahead, it rolls back."""
+    tiers, snaps = _saved(15)
+    counting = _CountingTier(TIER1)
+    counting.units = tiers[0].units
+    opt, shard = tiny_shard()
+    for s in range(1, 16):  # the survivor's own training: its memory is at step 15
+        step(opt, s)
+    shard.live_version = 15
+    result = restore(context([counting, tiers[1]]), shard, allow_fresh_start=False)
+    assert result.end == 15 and result.record["ranks_in_place"] == [0] and counting.reads == 0
+    assert result.record["rank_tiers"] == [] and result.record["bytes_tier1"] == 0
+    assert torch.equal(opt.master, snaps[15]["master"])
+    step(opt, 16)  # one step past the end: restored from the copies
+    shard.live_version = 16
+    result = restore(context([counting, tiers[1]]), shard, allow_fresh_start=False)
+    assert result.record["ranks_in_place"] == [] and counting.reads > 0
+    assert torch.equal(opt.master, snaps[15]["master"])

@@ -1,0 +1,70 @@
+"""In-process recovery drills: the survivors keep their processes and state, hot spares take the lost ranks, and
+the job ends bit-identical to the same job without a failure (lossless diffs), all in one launch; a second
+failure during a recovery falls back to a relaunch, still bit-identical."""
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed.cli.test_drill import DRILL, drill
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def _timeline_adds_up(timeline: dict, mode: str = "inprocess") -> None:
+    split = [timeline[f"recovery_{p}_s"] for p in ("detection", "reform", "restore", "rerun")]
+    assert timeline["recovery_mode"] == mode
+    assert all(t >= 0 for t in split) and sum(split) == pytest.approx(timeline["recovery_total_s"], abs=1e-6)
+
+
+def test_two_software_failures_are_recovered_in_place_by_spares(tmp_path, drill_reference):
+    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "software", "--at-step", "12", "22")
+    assert report["ok"] and report["returncode"] == 0, report["stdout"]
+    first, second = report["recoveries"]
+    # Rank 3 died after step 12: the survivors kept step 12 in memory and read nothing; its spare read Tier-1.
+    assert first["end"] == 12 and first["ranks_in_place"] == [0, 1, 2], first
+    assert first["rank_tiers"] == [[], [], [], ["tier1"]] and first["bytes_tier2"] == first["bytes_tier3"] == 0
+    # Then rank 2 died after step 22 (a spare again): at most one step lost, nothing from Tier-2 or Tier-3.
+    assert 22 - second["end"] <= 1 and second["rank_tiers"][2] == ["tier1"], second
+    assert second["bytes_tier2"] == second["bytes_tier3"] == 0
+    for timeline in report["recovery_timelines"]:
+        _timeline_adds_up(timeline)
+    assert "(inprocess)" in report["stdout"] and "in place" in report["stdout"]
+    assert report["final_digest"] == drill_reference
+
+
+def test_a_node_of_spares_replaces_a_lost_node_from_tier2(tmp_path, drill_reference):
+    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "node", "--at-step", "19")
+    assert report["ok"] and report["returncode"] == 0, report["stdout"]
+    (rec,) = report["recoveries"]
+    # The spare node (node2) holds the lost node's ranks; their state came from the ring peer's memory.
+    assert rec["rank_nodes"] == ["node0", "node0", "node2", "node2"], rec
+    assert rec["rank_tiers"][2:] == [["tier2"], ["tier2"]] and rec["bytes_tier3"] == 0
+    assert all(t in ([], ["tier1"]) for t in rec["rank_tiers"][:2]), rec  # in place, or rolled back from Tier-1
+    assert 19 - rec["end"] <= 2
+    _timeline_adds_up(report["recovery_timelines"][0])
+    assert report["final_digest"] == drill_reference
+
+
+def test_a_hung_rank_is_left_out_and_replaced(tmp_path, drill_reference):
+    overrides = [*[o for o in DRILL if not o.startswith("parallel.timeout_s=")], "parallel.timeout_s=8",
+                 "recovery.round_timeout_s=3"]
+    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "hang", "--at-step", "19", overrides=overrides)
+    assert report["ok"] and report["returncode"] == 0, report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["end"] == 19 and rec["ranks_in_place"] == [0, 1, 2] and rec["rank_tiers"][3] == ["tier1"], rec
+    (timeline,) = report["recovery_timelines"]
+    _timeline_adds_up(timeline)
+    # Found by the collective timeout; the round then waits its own timeout for the member that never joins.
+    assert timeline["recovery_detection_s"] > 4 and timeline["recovery_reform_s"] > 2, timeline
+    assert report["final_digest"] == drill_reference
+
+
+def test_a_failure_during_the_recovery_falls_back_to_a_relaunch(tmp_path, drill_reference):
+    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "node", "--fail-during-recovery", "--at-step",
+                   "19")
+    assert report["ok"] and report["returncode"] == 0, report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["rank_tiers"][2:] == [["tier2"], ["tier2"]] and not rec["ranks_in_place"], rec
+    _timeline_adds_up(report["recovery_timelines"][0], mode="relaunch")
+    assert any("fell back to a relaunch" in n for n in report["notes"]), report["notes"]
+    assert report["final_digest"] == drill_reference

@@ -1,0 +1,87 @@
+"""In-process recovery's pieces that need no world: member ids, which processes recover in place, the
+environment of a process that takes a rank, and a spare's wait for one."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatier.config import RecoveryConfig
+from megatier.launcher.agent import run_prefix
+from megatier.parallel.assignment import Member
+from megatier.parallel.membership import MembershipRound
+from megatier.training import inprocess
+from megatier.training.inprocess import Membership, become_rank, member_of, store_address
+
+
+def test_a_member_id_names_its_node():
+    assert member_of("node1/spare0") == Member("node1/spare0", "node1")
+    assert member_of("host-a.cluster/3").node == "host-a.cluster"
+    with pytest.raises(ValueError, match="<node>/<slot>"):
+        member_of("node1")
+
+
+def test_only_inprocess_mode_with_a_known_store_recovers_in_place(monkeypatch):
+    monkeypatch.delenv(inprocess.ENV_STORE, raising=False)
+    assert store_address(RecoveryConfig()) is None  # torchrun: no store, a failure ends the launch
+    assert store_address(RecoveryConfig(store="h:1")) == "h:1"
+    monkeypatch.setenv(inprocess.ENV_STORE, "agent:2")
+    assert store_address(RecoveryConfig()) == "agent:2"
+    assert store_address(RecoveryConfig(mode="relaunch", store="h:1")) is None
+
+
+def test_a_spare_takes_the_local_rank_of_its_place_on_its_node(monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.setenv(key, "")
+    m = Membership(store=None, me=member_of("node2/spare1"), prefix="p", cfg=RecoveryConfig())
+    m.world = [member_of(i) for i in ("node0/0", "node0/1", "node2/spare0", "node2/spare1")]
+    become_rank(m, 3)
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+
+
+def test_a_spare_waits_through_rounds_until_one_gives_it_a_rank(monkeypatch):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv(inprocess.ENV_MEMBER, "node0/spare0")
+    monkeypatch.setenv(inprocess.ENV_RUN, "r1")
+    cfg = RecoveryConfig(store=f"127.0.0.1:{server.port}")
+    spare = Membership.connect(cfg, timeout_s=30)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(rank=spare.await_rank()))
+    waiter.start()
+    world = [Member(f"node{n}/0", f"node{n}") for n in range(2)]
+    prefix = run_prefix("r1")
+    first = MembershipRound(server, 1, prefix)  # a round with a spare elsewhere: this one stays idle
+    first.join(Member("node9/spare0", "node9"), survivor=False)
+    first.report_dead("node1/0")
+    _wait_for_members(first, 2)  # both spares joined
+    assert first.join(world[0], survivor=True)
+    first.decide((1, 1, 2), world, deadline_s=5, shrink=False)
+    second = MembershipRound(server, 2, prefix)  # the next failure: this spare is the only one
+    second.report_dead("node0/0")
+    new_world = list(first.outcome(5).assignment.holders)
+    survivor = member_of(new_world[1])
+    _wait_for_members(second, 1)  # the idle spare moved on to the next round
+    assert second.join(survivor, survivor=True)
+    second.decide((1, 1, 2), [member_of(h) for h in new_world], deadline_s=5, shrink=False)
+    waiter.join(30)
+    assert got == {"rank": 0} and spare.epoch == 2 and spare.assigned_at is not None
+
+
+def _wait_for_members(rnd: MembershipRound, n: int) -> None:
+    deadline = time.monotonic() + 20
+    while len(rnd.members()) < n:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_an_idle_spare_stops_waiting_when_the_job_ends(monkeypatch):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv(inprocess.ENV_MEMBER, "node0/spare0")
+    cfg = RecoveryConfig(store=f"127.0.0.1:{server.port}")
+    spare = Membership.connect(cfg, timeout_s=30)
+    MembershipRound.finish(server, spare.prefix)
+    assert spare.await_rank() is None
