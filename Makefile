@@ -26,7 +26,7 @@ $(STAMP): setup.py $(wildcard megatier/csrc/*) $(wildcard megatier/csrc/cuda/*)
 DEMO_DIR ?= runs/demo_drill/$(shell date +%Y%m%d-%H%M%S)
 
 demo: install
-	$(VENV)/bin/megatier-drill --nodes 2 --procs-per-node 1 --fail node --at-step 247 \
+	$(VENV)/bin/megatier-drill --recovery inprocess --nodes 2 --procs-per-node 1 --fail node --at-step 247 \
 		--work-dir $(DEMO_DIR) -- experiment=demo
 
 lint: install

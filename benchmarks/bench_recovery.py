@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """Recovery time of MegaTier: fused diff replay against its alternatives, and recovery per failure class.
 
-Two parts (``--part replay|classes|all``, default all).
+Three parts (``--part replay|classes|modes|all``, default all). The third, ``modes``, drills software and node
+failures at the classes part's points once by relaunch and once in process, side by side
+(:mod:`benchmarks.recovery_modes` describes it).
 
 replay -- the replay of 10/50/100-step diff chains (TierCheck, arXiv:2605.17821: section 3.3, Exp#7), in
 this process (a world of one). A Trainer of the demo model (``model=small``) trains
@@ -78,7 +80,8 @@ every point, MegaTier's expected end-to-end time part by part with the part that
 and per class the expected restore + rerun and end-to-end times of both with the seed's
 Table 3 (GPT2 20B; its scale is not ours) alongside.
 
-    python benchmarks/bench_recovery.py                 # both parts, ~3 + ~9 min on 2 cores (~35 s a drill)
+    python benchmarks/bench_recovery.py                 # every part, ~3 + ~9 + ~12 min on 2 cores (~35 s a drill)
+    python benchmarks/bench_recovery.py --part modes    # relaunch and in-process recovery side by side
     python benchmarks/bench_recovery.py --part replay --chains 10,50,100 -- checkpoint.diff.compression=fp32
     python benchmarks/bench_recovery.py --part classes --points 10 --out-json rec.json
     python benchmarks/bench_recovery.py --quick --part classes -- data.prefix=data/mine   # smoke: tiny, B=10, 2 points
@@ -111,7 +114,7 @@ if str(REPO) not in sys.path:
 
 from megatier.config import split_overrides  # noqa: E402
 
-PARTS = ("replay", "classes", "all")
+PARTS = ("replay", "classes", "modes", "all")
 CLASSES = ("software", "node", "rack")
 TARGETS = {"software": 10.0, "node": 8.0, "rack": 4.0}  # restore + rerun speedup over the baseline (the issue)
 MIB = 1 << 20
@@ -864,6 +867,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             result["replay"] = run_replay(args, work)
         if args.part in ("classes", "all"):
             result["classes"] = run_classes(args, work)
+        if args.part in ("modes", "all"):
+            from benchmarks.recovery_modes import run_modes
+
+            result["modes"] = run_modes(args, work, sys.modules[__name__])
     finally:
         if not args.keep and args.work_dir is None:
             shutil.rmtree(work, ignore_errors=True)

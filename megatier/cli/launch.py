@@ -7,6 +7,10 @@
 What runs after ``--`` is what torchrun runs (a script, or ``-m module``) with its arguments; each node's
 processes get MEGATIER_NODE_NAME=node{i} (:mod:`megatier.drill.cluster`). Exit status: the worst of the agents'
 (a signal death counts as 128 + signal). Ctrl-C or SIGTERM stops every agent and its workers.
+
+With ``--recovery inprocess`` each node runs ``megatier-agent`` instead of torchrun's agent: a failed process
+leaves the others running, ``--spares-per-node`` idle spares wait on every node and ``--spare-nodes`` nodes hold
+only spares, and this process serves the membership store (docs/checkpointing.md#in-process-recovery).
 """
 from __future__ import annotations
 
@@ -29,13 +33,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max-restarts", type=int, default=0, help="torchrun worker-group restarts per agent")
     parser.add_argument("--fail-grace-s", type=float, default=30.0,
                         help="after one agent fails, seconds the others get to finish before they are stopped")
+    parser.add_argument("--recovery", choices=("relaunch", "inprocess"), default="relaunch",
+                        help="inprocess: megatier-agent per node; survivors keep running and spares take lost ranks")
+    parser.add_argument("--spares-per-node", type=int, default=0, help="in-process: idle spares on every node")
+    parser.add_argument("--spare-nodes", type=int, default=0, help="in-process: extra nodes holding only spares")
     return parser.parse_args(argv[:split]), argv[split + 1:]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     args, script_args = parse_args(sys.argv[1:] if argv is None else argv)
-    cluster = LocalCluster(args.nodes, args.procs_per_node, script_args, port=args.port,
-                           max_restarts=args.max_restarts)
+    try:
+        cluster = LocalCluster(args.nodes, args.procs_per_node, script_args, port=args.port,
+                               max_restarts=args.max_restarts, recovery=args.recovery,
+                               spares_per_node=args.spares_per_node, spare_nodes=args.spare_nodes)
+    except ValueError as e:
+        print(f"megatier-launch: {e}", file=sys.stderr)
+        return 2
 
     def interrupt(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)

@@ -28,7 +28,8 @@ from megatier.training import outcome
 
 # Statuses whose worker printed the reason in one line (rank 0): the launcher adds nothing to them.
 EXPLAINED = frozenset({outcome.EXIT_CONFIG, outcome.EXIT_TIER3_BEHIND, outcome.EXIT_RECOVERY_REFUSED,
-                       outcome.EXIT_DIVERGED, outcome.EXIT_RESTORE_LOOP, outcome.EXIT_INTERRUPTED})
+                       outcome.EXIT_DIVERGED, outcome.EXIT_RESTORE_LOOP, outcome.EXIT_REFORM_FAILED,
+                       outcome.EXIT_INTERRUPTED})
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\)")
 _CLOSING = re.compile(r"Sending process \d+ closing signal")

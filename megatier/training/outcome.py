@@ -13,6 +13,8 @@ Exit statuses (docs/operations.md):
          last finite state
     6    stopped in a restore loop: the job failed right after every point it could restore (the previous base
          and Tier-3's included; reliability.loop_window, loop_limit); relaunching repeats it
+    7    in-process recovery could not re-form the job (no spare for a lost rank, the membership store gone);
+         relaunch: the next launch restores as after any failure
     130  interrupted (Ctrl-C); relaunch the same command to resume
 
 Anything else is a failure, with its traceback. A refusal is raised on every rank the same way; only global
@@ -30,10 +32,11 @@ from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
 from megatier.checkpoint.recover.loops import RestoreLoop
 from megatier.config import ConfigError
 from megatier.interop.hf_files import HFFormatError
+from megatier.training.inprocess import RoundFailed
 from megatier.training.nonfinite import NonFiniteStep
 
 EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_DIVERGED = 0, 2, 3, 4, 5
-EXIT_RESTORE_LOOP = 6
+EXIT_RESTORE_LOOP, EXIT_REFORM_FAILED = 6, 7
 EXIT_INTERRUPTED = 130
 # What stops a run as diverged (exit 5): a non-finite step, or a non-finite state about to be checkpointed.
 DIVERGED = (NonFiniteStep, NonFiniteState)
@@ -61,6 +64,9 @@ def refusal(error: BaseException) -> Optional[tuple[int, str]]:
         return EXIT_RESTORE_LOOP, str(error)
     if isinstance(error, RecoveryError):
         return EXIT_RECOVERY_REFUSED, str(error)
+    if isinstance(error, RoundFailed):
+        return EXIT_REFORM_FAILED, (f"in-process recovery could not re-form the job: {error}; relaunch it (the "
+                                    f"next launch restores from the checkpoints as after any failure)")
     return None
 
 

@@ -62,7 +62,7 @@ from megatier.seeding import derive_seed
 from megatier.training.inprocess import Membership, RoundFailed, become_rank
 from megatier.training.interrupt import StopRequest
 from megatier.training.nonfinite import NonFiniteGuard
-from megatier.training.outcome import DIVERGED
+from megatier.training.outcome import DIVERGED, refusal
 from megatier.training.sdc import SpikeCheck, ranks_that_differ
 
 log = logging.getLogger(__name__)
@@ -431,7 +431,7 @@ class Trainer:
         not twice at the same step (a failure that recurs there is this process's own: the launch ends)."""
         if self.membership is None or not hasattr(self.checkpointer, "abort"):
             return False
-        if isinstance(error, DIVERGED):
+        if isinstance(error, DIVERGED) or refusal(error) is not None:  # a stop or a refusal, not a lost peer
             return False
         return self._recovered_at != self.step
 
