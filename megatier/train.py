@@ -47,6 +47,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return refused[0]
     finally:
         inprocess.release_spares(trainer, cfg.recovery if cfg is not None else None)
+        outcome.drop_process_group()
         stop.uninstall()
     return outcome.finished(trainer, summary)
 

@@ -231,7 +231,8 @@ def format_report(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: 
              + ("" if job.local_root.startswith(job.work) else f" (node memory in {job.local_root}, freed at exit)")]
     for i, rec in enumerate(recoveries, 1):
         r = rec.record
-        lines.append(f"  failure {i}: killed at step {rec.at_step} (launch exit {rec.crash_status})")
+        how = "recovered in the same launch, which exited" if spec.inprocess else "launch exit"
+        lines.append(f"  failure {i}: killed at step {rec.at_step} ({how} {rec.crash_status})")
         if r is None:
             continue
         old = "old " if r.get("resharded") else ""

@@ -26,6 +26,8 @@ import os
 import sys
 from typing import Optional
 
+import torch.distributed as dist
+
 from megatier.checkpoint.commit.lease import LeaseHeld
 from megatier.checkpoint.format.finite import NonFiniteState
 from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
@@ -40,6 +42,13 @@ EXIT_RESTORE_LOOP, EXIT_REFORM_FAILED = 6, 7
 EXIT_INTERRUPTED = 130
 # What stops a run as diverged (exit 5): a non-finite step, or a non-finite state about to be checkpointed.
 DIVERGED = (NonFiniteStep, NonFiniteState)
+
+
+def drop_process_group() -> None:
+    """At the end of a launch that did not close (a refusal, a crash): destroy the process group now rather than
+    leave it to the interpreter's exit, where its threads may still be joinable when C++ tears it down."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_rank0() -> bool:
