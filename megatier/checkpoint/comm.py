@@ -101,6 +101,9 @@ class _Board:
     def check(self, keys: list[str]) -> bool:
         return self.store.check(keys)
 
+    def close(self) -> None:
+        self._writes.close()
+
     def _write(self, key: str, put: bool) -> None:
         try:
             self.store.set(key, b"1") if put else self.store.delete_key(key)
@@ -188,7 +191,7 @@ class GroupComm(CheckpointComm):
     def abandon(self) -> None:
         self._background.close()
         if self.board is not None:
-            self.board._writes.close()
+            self.board.close()
 
     def _key(self, seq: int, rank: int) -> str:
         return f"megatier/ckpt/{seq}/{rank}"

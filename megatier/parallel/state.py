@@ -1,4 +1,5 @@
-"""ParallelState: the 3D layout of this job with its process groups, built once and passed explicitly.
+"""ParallelState: the 3D layout of this job with its process groups, built at start (and again when in-process
+recovery re-forms the job) and passed explicitly.
 
 Rank order (the one formula) is in :mod:`megatier.parallel.layout`.
 

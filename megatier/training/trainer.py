@@ -122,6 +122,7 @@ class Trainer:
         self.param_flip = parameter_flip(self.ps.rank)
         for block in list(self.model.layers.values())[:1]:
             self.flip.install(block)
+        self._factory = checkpointer  # in-process recovery builds the checkpointer again
         self.checkpointer = self._build_checkpointer(checkpointer)
 
     # ---- construction -------------------------------------------------------------------------
@@ -205,7 +206,6 @@ class Trainer:
     def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
         state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size,
                            state_fingerprint(self.cfg, self.data_checksum), followed_keys(self.cfg))
-        self._factory = factory
         if factory is not None:
             return factory(state)
         if not self.cfg.checkpoint.enabled:
