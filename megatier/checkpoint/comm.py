@@ -66,7 +66,8 @@ class _InOrder:
         return future
 
     def close(self) -> None:
-        """Let the helper thread end once the jobs before now are done."""
+        """Let the helper thread end once the jobs before now are done (and drop the last one's closure, which
+        holds its process group: in-process recovery frees the old groups while the process lives on)."""
         if self._started:
             self._jobs.put(None)
 
@@ -76,12 +77,10 @@ class _InOrder:
             if job is None:
                 return
             fn, future = job
-            del job
             try:
                 future.set_result(fn())
             except BaseException as e:  # handed to whoever waits for it
                 future.set_exception(e)
-            del fn, future  # the last job's closure must not keep its process group alive while idle
 
 
 class _Board:
