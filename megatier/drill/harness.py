@@ -3,7 +3,6 @@ optionally run the same job without a failure to compare (see ``megatier-drill``
 :mod:`megatier.cli.drill`)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import sys
@@ -80,7 +79,7 @@ def run_inprocess(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict]
     fell_back = status != 0
     if fell_back:  # a round that could not complete ends the launch; the next one restores as after any failure
         status = launch(spec.launch, job, "launch1-relaunch")
-    records = _every_launch(job)
+    records = read_metrics(job, every_launch=True)
     found = [r for r in records if r.get("event") == "recovery"]
     timings = [{k: v for k, v in r.items() if k.startswith("recovery_")} for r in records if "recovery_total_s" in r]
     recoveries = []
@@ -93,19 +92,6 @@ def run_inprocess(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict]
         check_recovery(spec, job, rec)
         recoveries.append(rec)
     return recoveries, read_metrics(job), status
-
-
-def _every_launch(job: Job) -> list[dict]:
-    """The job's metrics records of every launch, oldest launch first (metrics.<n>.jsonl, then the current)."""
-    older = sorted((n for n in os.listdir(job.run_dir) if n.startswith("metrics.") and n.count(".") == 2),
-                   key=lambda n: int(n.split(".")[1]) if n.split(".")[1].isdigit() else 0)
-    out = []
-    for name in [*older, "metrics.jsonl"]:
-        path = os.path.join(job.run_dir, name)
-        if os.path.exists(path):
-            with open(path) as f:
-                out += [json.loads(line) for line in f if line.strip()]
-    return out
 
 
 def run_drill(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict], int]:

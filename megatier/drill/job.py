@@ -120,10 +120,11 @@ def first_error(log_path: str) -> str:
 
 def read_metrics(job: Job, every_launch: bool = False) -> list[dict]:
     """The current launch's metrics records; ``every_launch``: also those of the launches before it, which the
-    logger kept as metrics.<n>.jsonl."""
+    logger kept as metrics.<n>.jsonl, oldest launch first."""
     names = ["metrics.jsonl"]
     if every_launch and os.path.isdir(job.run_dir):
-        names += [n for n in os.listdir(job.run_dir) if n.startswith("metrics.") and n != "metrics.jsonl"]
+        older = [n for n in os.listdir(job.run_dir) if re.fullmatch(r"metrics\.\d+\.jsonl", n)]
+        names = sorted(older, key=lambda n: int(n.split(".")[1])) + names
     out = []
     for name in names:
         path = os.path.join(job.run_dir, name)

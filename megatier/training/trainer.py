@@ -145,15 +145,16 @@ class Trainer:
     def _build_data(self) -> None:
         d = self.cfg.data
         prefix = d.prefix
-        if prefix is None and self.membership is not None and self.membership.epoch > 0:
-            # A spare joining a re-formed job: rank 0 made the corpus at the launch; the survivors build no data.
-            prefix = ensure_default_corpus(d.cache_dir, d.tokenizer, d.default_corpus_mib, d.bpe_vocab_size)
-        elif prefix is None:
-            if self.ps.rank == 0:
+        # A spare joining a re-formed job finds the corpus rank 0 made at the launch (the survivors build no data,
+        # so there is nobody to broadcast with).
+        joining = self.membership is not None and self.membership.epoch > 0
+        if prefix is None:
+            if self.ps.rank == 0 or joining:
                 prefix = ensure_default_corpus(d.cache_dir, d.tokenizer, d.default_corpus_mib, d.bpe_vocab_size)
-            holder = [prefix]
-            dist.broadcast_object_list(holder, src=0, group=self.ps.checkpoint_group)
-            prefix = holder[0]
+            if not joining:
+                holder = [prefix]
+                dist.broadcast_object_list(holder, src=0, group=self.ps.checkpoint_group)
+                prefix = holder[0]
         self.data_prefix = prefix
         dataset = IndexedDataset(prefix, cache_dir=d.cache_dir)
         self.data_checksum = dataset.checksum
