@@ -35,6 +35,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer = Trainer(cfg, stop=stop, membership=membership)
         trainer.train()
         summary = trainer.close()
+    except inprocess.JobEnded:  # a survivor of a dropped replica, not needed again
+        return 0
     except KeyboardInterrupt:  # a second Ctrl-C: no drain
         return outcome.interrupted_twice(trainer)
     except outcome.DIVERGED as e:

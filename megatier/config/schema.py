@@ -335,9 +335,13 @@ class RecoveryConfig:
     # host:port of the membership store (a TCPStore served by `megatier-agent --serve-store`); None: the one the
     # launcher's agent names (MEGATIER_MEMBERSHIP_STORE).
     store: Optional[str] = None
-    # With no spare for a lost rank, seconds the round waits for a replacement process to join before it gives
-    # up (the job then relaunches, where the elastic path may shrink dp).
+    # With no spare for a lost rank, seconds the round waits for a replacement process to join before it shrinks
+    # dp (or gives up: see shrink).
     wait_for_replacement_s: float = 0.0
+    # With no spare for a lost rank after that wait: true drops the data-parallel replicas it broke and the job
+    # goes on in place with fewer (their surviving processes wait as spares); false ends the launch (exit 7)
+    # for a relaunch.
+    shrink: bool = True
     # Seconds the deciding survivor waits for members that neither joined the round nor were reported dead (a
     # hung process), and every member for the decision.
     round_timeout_s: float = 30.0

@@ -59,6 +59,10 @@ def _check_in_place(spec: DrillSpec, rec: Recovery) -> None:
     """In-process recovery: the ranks the failure killed read their state; every survivor either kept its state
     in memory (at E: zero bytes read) or rolled back from its own Tier-1; the recovery was timed as in place."""
     r = rec.record
+    if rec.timeline is not None and rec.timeline.get("recovery_mode") != "inprocess":
+        rec.problems.append(f"the recovery was timed as {rec.timeline.get('recovery_mode')}, not inprocess")
+    if r.get("resharded"):  # dp shrank: every rank read the old layout's units (checked as for a relaunch)
+        return
     killed = set(spec.victim_ranks(spec.at_steps.index(rec.at_step)))
     in_place = set(r.get("ranks_in_place") or [])
     tiers = r.get("rank_tiers") or []
@@ -71,8 +75,6 @@ def _check_in_place(spec: DrillSpec, rec: Recovery) -> None:
             rec.problems.append(f"rank {q} neither kept its state nor read one")
     if r["end"] == rec.at_step and not in_place:  # the survivors had finished step E and no more
         rec.problems.append("no survivor kept its state in place at E: the recovery was not in-process")
-    if rec.timeline is not None and rec.timeline.get("recovery_mode") != "inprocess":
-        rec.problems.append(f"the recovery was timed as {rec.timeline.get('recovery_mode')}, not inprocess")
 
 
 def unit_nodes(spec: DrillSpec, record: dict) -> list[str]:
@@ -82,6 +84,16 @@ def unit_nodes(spec: DrillSpec, record: dict) -> list[str]:
     if record.get("resharded"):
         return [f"node{q // spec.procs_per_node}" for q in range(len(record.get("rank_tiers") or []))]
     return list(record.get("rank_nodes") or [])
+
+
+def _gone(spec: DrillSpec) -> str:
+    """What the restore sees as lost: a shrink leaves the dropped replicas' nodes, whose newest steps then come
+    from their ring replicas, as a lost node's."""
+    return "node" if spec.no_spare else spec.fail
+
+
+def _lost_bound(spec: DrillSpec, job: Job) -> Optional[int]:
+    return max_steps_lost(_gone(spec), job)
 
 
 def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
@@ -101,10 +113,12 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
         _check_in_place(spec, rec)
     if spec.no_spare and not r.get("resharded"):
         rec.problems.append("the job carried on without a spare node but its restore did not reshard")
-    bound = max_steps_lost(spec.fail, job)
+    gone = _gone(spec)
+    bound = _lost_bound(spec, job)
     if bound is not None and lost > bound:
-        rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a "
-                            f"{spec.fail} failure may lose at most {bound}")
+        what = f"{spec.fail} failure" + (" without a spare" if spec.no_spare else "")
+        rec.problems.append(f"{lost} steps lost (killed at {rec.at_step}, resumed after {r['end']}); a {what} may "
+                            f"lose at most {bound}")
     if spec.fail == "stage":
         _check_stage(spec, job, rec)
         return
@@ -121,7 +135,7 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
     for q, (t, node) in enumerate(zip(tiers, nodes)):
         if inplace and not t:
             continue  # kept in place (checked above)
-        if node not in lost_nodes or spec.fail in ("software", "hang"):
+        if node not in lost_nodes or gone in ("software", "hang"):
             if t != [TIER1]:
                 rec.problems.append(f"rank {q} on surviving {node} was served from {t}, not its own Tier-1")
         elif TIER1 in t and not spec.no_spare:
@@ -130,9 +144,9 @@ def check_recovery(spec: DrillSpec, job: Job, rec: Recovery) -> None:
         elif TIER3 in t:
             rec.notes.append(f"rank {q} read from {t}: the newest base's Tier-2 replica was still in transfer "
                              f"(pick --at-step later in a base interval to exercise Tier-2)")
-    if spec.fail in ("software", "hang") and r["bytes_tier3"]:
+    if gone in ("software", "hang") and r["bytes_tier3"]:
         rec.problems.append(f"software failure read {r['bytes_tier3']} bytes from Tier-3; Tier-1 should serve it")
-    if spec.fail == "node" and r["bytes_tier3"] and not rec.notes:
+    if gone == "node" and r["bytes_tier3"] and not rec.notes:
         rec.problems.append(f"node failure read {r['bytes_tier3']} bytes from Tier-3")
 
 
@@ -241,8 +255,8 @@ def format_report(spec: DrillSpec, job: Job, recoveries: list[Recovery], final: 
                             for q, (t, node) in enumerate(zip(r.get("rank_tiers") or [], unit_nodes(spec, r))))
         lines += [
             f"    class {r['failure_class']} (injected {spec.fail}); base V={r['version']}, replayed to E={r['end']}, "
-            f"steps lost {r.get('steps_lost_drill')}" + (f" (at most {bound})" if (bound := max_steps_lost(
-                spec.fail, job)) is not None else ""),
+            f"steps lost {r.get('steps_lost_drill')}" + (f" (at most {bound})" if (bound := _lost_bound(
+                spec, job)) is not None else ""),
             f"    source tier per rank: {sources}",
             *([f"    resharded (tp,pp,dp) {r['resharded']}: carried on without a spare node (the lost node's ranks "
                f"read from their replicas by ranks on the survivors: their own node's memory, so counted as tier1 "

@@ -64,6 +64,8 @@ class DrillSpec:
     def launch(self) -> LaunchSettings:
         if not self.inprocess:
             return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s)
+        if self.no_spare:  # the round shrinks dp
+            return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s, self.recovery)
         spares = self.spares_per_node
         if spares is None:
             spares = 0 if self.fail == "node" else len(self.at_steps)
@@ -94,8 +96,10 @@ class DrillSpec:
             return f"--recovery inprocess drills software, node and hang failures, not {self.fail}"
         if self.fail == "hang" and not self.inprocess:
             return "--fail hang goes with --recovery inprocess (a relaunch ends a hung job by its timeouts)"
-        if self.inprocess and (self.corrupt or self.no_spare):
-            return "--corrupt and --no-spare go with --recovery relaunch"
+        if self.inprocess and self.corrupt:
+            return "--corrupt goes with --recovery relaunch"
+        if self.no_spare and self.spares_per_node:
+            return "--no-spare runs without spares: drop --spares-per-node"
         if self.inprocess and self.fail == "node" and len(self.at_steps) != 1:
             return "an in-process node drill takes one --at-step (one spare node)"
         if not self.inprocess and self.spares_per_node:
@@ -109,7 +113,10 @@ class DrillSpec:
             return f"--victim {self.victim_node} is not a node index in [0, {self.nodes})"
         if self.fail == "node" and self.nodes < 2:
             return "a node failure needs --nodes >= 2: the lost node's replicas live on its ring peer"
-        if self.no_spare and (self.fail != "node" or len(self.at_steps) != 1 or self.victim_node != self.nodes - 1):
+        if self.no_spare and self.inprocess and (self.fail not in ("node", "software") or len(self.at_steps) != 1):
+            return "--no-spare --recovery inprocess goes with --fail node or software and one --at-step"
+        if self.no_spare and not self.inprocess and (self.fail != "node" or len(self.at_steps) != 1 or
+                                                     self.victim_node != self.nodes - 1):
             return ("--no-spare goes with --fail node, one --at-step and the last node as the victim (the survivors "
                     "keep their node names)")
         if (self.fail == "stage") != (self.stage is not None):

@@ -12,14 +12,15 @@ of its ranks, and the members that joined the round: the surviving ranks' holder
   from the node with the most;
 * if ranks stay unfilled and shrinking is allowed, the data-parallel replicas that are not whole are
   dropped and the whole ones renumbered (fewer dp: the elastic path), their survivors becoming spares;
-  with no whole replica left, or shrinking not allowed, the round cannot complete (None): the job falls
-  back to a relaunch.
+  as many whole replicas are kept as the job can train with (``dp_ok``: the global batch must split
+  evenly), the others' members idle too. With no such replica left, or shrinking not allowed, the round
+  cannot complete (None): the job falls back to a relaunch.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from megatier.parallel.layout import coordinates_of, rank_of
 
@@ -89,10 +90,10 @@ def _fill(nodes: list[str], lost: list[int], spares: list[Member]) -> dict[int, 
 
 
 def assign_ranks(degrees: tuple[int, int, int], world: list[Member], joined: list[Member], *,
-                 shrink: bool) -> Optional[Assignment]:
+                 shrink: bool, dp_ok: Callable[[int], bool] = lambda dp: True) -> Optional[Assignment]:
     """The new world after the members of ``world`` (by rank) missing from ``joined`` were lost; the members
     of ``joined`` outside ``world`` are idle spares (see the module docstring). ``degrees``: (tp, pp, dp) of
-    the job; ``shrink``: whether dp may shrink."""
+    the job; ``shrink``: whether dp may shrink; ``dp_ok``: whether the job can train with that many replicas."""
     tp, pp, dp = degrees
     if len(world) != tp * pp * dp:
         raise ValueError(f"{len(world)} ranks' members for a layout of tp={tp} pp={pp} dp={dp}")
@@ -110,9 +111,10 @@ def assign_ranks(degrees: tuple[int, int, int], world: list[Member], joined: lis
         return None
     whole = [d for d in range(dp) if all(holders[rank_of(t, d, p, tp=tp, dp=dp)] is not None
                                          for t in range(tp) for p in range(pp))]
-    if not whole:
+    kept = max((k for k in range(1, len(whole) + 1) if dp_ok(k)), default=0)
+    if not kept:
         return None
-    kept = len(whole)
+    whole = whole[:kept]
     new = [""] * (tp * pp * kept)
     for r, h in enumerate(holders):
         t, d, p = coordinates_of(r, tp=tp, dp=dp)

@@ -25,7 +25,7 @@ import json
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -92,10 +92,11 @@ class MembershipRound:
     # ---- the decision -------------------------------------------------------------------------
 
     def decide(self, degrees: tuple[int, int, int], world: list[Member], *, deadline_s: float,
-               shrink: bool, replacement_s: float = 0.0) -> Outcome:
+               shrink: bool, replacement_s: float = 0.0, dp_ok: Callable[[int], bool] = lambda dp: True) -> Outcome:
         """The deciding survivor's part: wait until every member of the failed ``world`` (by rank) has joined or
         been reported dead, or for the deadline (a hung process never joins); publish the decision. With a lost
-        rank and no spare for it, wait up to ``replacement_s`` more for one to join (a replacement process)."""
+        rank and no spare for it, wait up to ``replacement_s`` more for one to join (a replacement process), then
+        shrink dp if ``shrink`` (to a count of replicas ``dp_ok`` accepts)."""
         deadline = time.monotonic() + deadline_s
         ids = {m.id for m in world}
         while time.monotonic() < deadline:
@@ -103,18 +104,22 @@ class MembershipRound:
             if joined + len(self.reported_dead() & ids) >= len(world):
                 break
             time.sleep(_POLL_S)
-        assignment = self._assign(degrees, world, shrink)
+        assignment = self._assign(degrees, world)
         wait_until = time.monotonic() + replacement_s
         while assignment is None and time.monotonic() < wait_until:
             time.sleep(50 * _POLL_S)
-            assignment = self._assign(degrees, world, shrink)
+            assignment = self._assign(degrees, world)
+        if assignment is None and shrink:
+            assignment = self._assign(degrees, world, True, dp_ok)
         self.store.set(f"{self.key}/decision", json.dumps(None if assignment is None else assignment.to_dict()))
         self.store.add(f"{self._root}/decided", 1)
         return Outcome(assignment)
 
-    def _assign(self, degrees: tuple[int, int, int], world: list[Member], shrink: bool):
+    def _assign(self, degrees: tuple[int, int, int], world: list[Member], shrink: bool = False,
+                dp_ok: Callable[[int], bool] = lambda dp: True) -> Optional[Assignment]:
         dead = self.reported_dead()  # a spare that died with its node had joined, but cannot take a rank
-        return assign_ranks(degrees, world, [m for m in self.members() if m.id not in dead], shrink=shrink)
+        joined = [m for m in self.members() if m.id not in dead]
+        return assign_ranks(degrees, world, joined, shrink=shrink, dp_ok=dp_ok)
 
     def decided(self) -> bool:
         """Whether this round's decision is published (a spare polls this, without blocking)."""

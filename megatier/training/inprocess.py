@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -41,6 +41,10 @@ _SPARE_POLL_S = 0.02
 
 class RoundFailed(RuntimeError):
     """The membership round could not re-form the job; the launch ends and a relaunch restores."""
+
+
+class JobEnded(Exception):
+    """A survivor whose replica a shrink dropped waited as a spare, and the job ended without it: exit 0."""
 
 
 def member_of(member_id: str) -> Member:
@@ -97,21 +101,27 @@ class Membership:
 
     # ---- survivors -----------------------------------------------------------------------------
 
-    def survive(self, degrees: tuple[int, int, int]) -> int:
-        """Join the next round as a survivor; the rank this process holds in the re-formed world (its own, since
-        survivors keep theirs). RoundFailed when the round could not complete or left this process out."""
+    def survive(self, degrees: tuple[int, int, int], dp_ok: Callable[[int], bool]) -> Optional[int]:
+        """Join the next round as a survivor; the rank this process holds in the re-formed world (its own when
+        the layout stays), or None when the round dropped its data-parallel replica (it is idle: a spare now).
+        RoundFailed when the round could not complete or left this process out. ``dp_ok``: whether the job can
+        train with that many replicas (``recovery.shrink``)."""
         self.epoch += 1
         rnd = MembershipRound(self.store, self.epoch, self.prefix)
         wait = self.cfg.round_timeout_s + self.cfg.wait_for_replacement_s
         try:
             if rnd.join(self.me, survivor=True):
-                rnd.decide(degrees, self.world, deadline_s=self.cfg.round_timeout_s, shrink=False,
-                           replacement_s=self.cfg.wait_for_replacement_s)
+                rnd.decide(degrees, self.world, deadline_s=self.cfg.round_timeout_s, shrink=self.cfg.shrink,
+                           replacement_s=self.cfg.wait_for_replacement_s, dp_ok=dp_ok)
             outcome = rnd.outcome(timeout_s=wait + 10.0)
         except (RuntimeError, dist.DistError) as e:  # the store is gone: nothing to re-form on
             raise RoundFailed(f"the membership store is unreachable ({e})") from None
-        if outcome.role(self.me.id) != "rank":
-            raise RoundFailed("no spare took a lost rank within recovery.wait_for_replacement_s"
+        role = outcome.role(self.me.id)
+        if role == "idle":
+            return None
+        if role != "rank":
+            raise RoundFailed("no spare took a lost rank within recovery.wait_for_replacement_s (and recovery."
+                              "shrink=false, or no whole data-parallel replica was left)"
                               if outcome.assignment is None else "this process was left out of the re-formed job")
         return self._adopt(outcome.assignment)
 

@@ -59,7 +59,7 @@ from megatier.parallel.state import (
     init_process_group,
 )
 from megatier.seeding import derive_seed
-from megatier.training.inprocess import Membership, RoundFailed, become_rank
+from megatier.training.inprocess import JobEnded, Membership, become_rank
 from megatier.training.interrupt import StopRequest
 from megatier.training.nonfinite import NonFiniteGuard
 from megatier.training.outcome import DIVERGED, refusal
@@ -86,7 +86,7 @@ class Trainer:
         self.stop = stop or StopRequest()  # Ctrl-C: stop after the step in flight (megatier.training.interrupt)
         self.interrupted_at: Optional[int] = None  # the step a stop request ended the loop after
         self.already_finished = False  # restore found the job at or past train.iters
-        started = time.time()  # the launch holds its machines from here on (goodput's wall time)
+        self.started = time.time()  # the launch holds its machines from here on (goodput's wall time)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size)  # before any side effect: every group but checkpoint, then its own rules
         check_checkpoint_config(cfg.checkpoint)
@@ -99,31 +99,13 @@ class Trainer:
         self._form_world()
         if self.membership is not None and not self.membership.world:
             self.membership.learn_world(self.ps.checkpoint_group)
-        # What this topology can take (a warning for each change) becomes the run's config, the one
-        # config.yaml records and checkpointing uses.
-        cfg.checkpoint = effective_checkpoint_config(cfg.checkpoint, self.ps.num_nodes)
-        self._set_threads()
-        torch.manual_seed(derive_seed(cfg.train.seed, "torch", self.ps.tp_rank, self.ps.dp_rank, self.ps.pp_rank))
-        self._build_data()
-        self._build_model()
-        self._build_optimizer()
-        scaled = self.optimizer.scaler is not None
-        self.nonfinite = NonFiniteGuard(cfg.reliability, scaled, self.ps.rank, self.ps.world_group)
-        self.spikes = SpikeCheck(cfg.reliability.spike_factor, scaled)
+        self._checkpoint_cfg = cfg.checkpoint  # as configured; each world takes what its topology allows
         self.step = 0
         self._updating = False  # the optimizer is applying a step (see _recover_in_place)
         self._recovered_at: Optional[int] = None  # the step the last in-process recovery happened at
-        self.logger = self._build_logger()
-        self.goodput = self._build_ledger(started)
-        self.fault = FaultInjector.from_env(self.ps.rank)
-        # Transient faults for drills: a flipped activation bit, a NaN in the gradient (megatier.training.sdc), a
-        # flipped bit in the gathered parameters (the replica check).
-        self.flip, self.grad_nan = ActivationFlip.from_env(self.ps.rank), gradient_nan(self.ps.rank)
-        self.param_flip = parameter_flip(self.ps.rank)
-        for block in list(self.model.layers.values())[:1]:
-            self.flip.install(block)
+        self.logger, self.goodput = NullLogger(), NullLedger()
         self._factory = checkpointer  # in-process recovery builds the checkpointer again
-        self.checkpointer = self._build_checkpointer(checkpointer)
+        self._build_components()
 
     # ---- construction -------------------------------------------------------------------------
 
@@ -133,6 +115,33 @@ class Trainer:
         init_process_group("nccl" if self.device.type == "cuda" else "gloo", self.cfg.parallel.timeout_s, store)
         p = self.cfg.parallel
         self.ps: ParallelState = build_parallel_state(p.tp, p.pp, p.timeout_s, self.device)
+
+    def _build_components(self) -> None:
+        """Everything the current world's layout shapes: data, model, optimizer, guards, rank 0's logger and
+        ledger, fault injectors and the checkpointer (again after an in-place recovery that changed the layout)."""
+        cfg = self.cfg
+        # What this topology can take (a warning for each change) becomes the run's config, the one
+        # config.yaml records and checkpointing uses.
+        cfg.checkpoint = effective_checkpoint_config(self._checkpoint_cfg, self.ps.num_nodes)
+        self._set_threads()
+        torch.manual_seed(derive_seed(cfg.train.seed, "torch", self.ps.tp_rank, self.ps.dp_rank, self.ps.pp_rank))
+        self._build_data()
+        self._build_model()
+        self._build_optimizer()
+        scaled = self.optimizer.scaler is not None
+        self.nonfinite = NonFiniteGuard(cfg.reliability, scaled, self.ps.rank, self.ps.world_group)
+        self.spikes = SpikeCheck(cfg.reliability.spike_factor, scaled)
+        if (self.ps.rank == 0) != isinstance(self.logger, MetricsLogger):  # rank 0 writes the metrics
+            self.logger.close()
+            self.logger, self.goodput = self._build_logger(), self._build_ledger(self.started)
+        self.fault = FaultInjector.from_env(self.ps.rank)
+        # Transient faults for drills: a flipped activation bit, a NaN in the gradient (megatier.training.sdc), a
+        # flipped bit in the gathered parameters (the replica check).
+        self.flip, self.grad_nan = ActivationFlip.from_env(self.ps.rank), gradient_nan(self.ps.rank)
+        self.param_flip = parameter_flip(self.ps.rank)
+        for block in list(self.model.layers.values())[:1]:
+            self.flip.install(block)
+        self.checkpointer = self._build_checkpointer(self._factory)
 
     def _set_threads(self) -> None:
         threads = self.cfg.train.threads
@@ -437,7 +446,9 @@ class Trainer:
         return self._recovered_at != self.step
 
     def _recover_in_place(self, failure: str) -> None:
-        """Re-form the job with the survivors and spares, keep model, optimizer and data, restore in place."""
+        """Re-form the job with the survivors and spares and restore in place: the same layout keeps model,
+        optimizer and data; a shrunk one (no spare: recovery.shrink) builds them for the new layout, and a
+        survivor whose replica was dropped waits as a spare."""
         self.detected_at = time.time()
         live = None if self._updating else self.step
         self._updating = False
@@ -452,17 +463,48 @@ class Trainer:
         self.checkpointer.abort(timeout=min(10.0, self.cfg.parallel.timeout_s))
         self.checkpointer = self.ps = None  # the last references: the old groups close, blocked peers fail now
         gc.collect()
-        new_rank = self.membership.survive(degrees)
-        if new_rank != rank:
-            raise RoundFailed(f"rank {rank} would become rank {new_rank}: the layout changed")
+        new_rank = self.membership.survive(degrees, self._trainable_dp)
+        if new_rank is None:
+            new_rank = self._wait_as_spare()
         become_rank(self.membership, new_rank)
         self._form_world()
-        attach_groups(detached, self.ps)
-        self.checkpointer = self._build_checkpointer(self._factory)
-        self.checkpointer.shard.live_version = live
+        if (new_rank, self.ps.degrees) == (rank, degrees) and self.model is not None:
+            attach_groups(detached, self.ps)
+            self.checkpointer = self._build_checkpointer(self._factory)
+            self.checkpointer.shard.live_version = live
+        else:  # another rank or dp: the state is resharded from the checkpoints, as after an elastic relaunch
+            log.info("member %s re-forms as rank %d of tp=%d pp=%d dp=%d (was rank %d of dp=%d)",
+                     self.membership.me.id, new_rank, *self.ps.degrees, rank, degrees[2])
+            del detached
+            if self.grads is not None:
+                self.grads.remove_hooks()
+            self._build_components()
         self._recovered_at = self.step
         self.restore()
         self.checkpointer.shard.live_version = None
+
+    def _trainable_dp(self, dp: int) -> bool:
+        """Whether this job's configuration trains with ``dp`` data-parallel replicas (a shrink's choice)."""
+        try:
+            validate(self.cfg, dp * self.cfg.parallel.tp * self.cfg.parallel.pp)
+        except ConfigError:
+            return False
+        return True
+
+    def _wait_as_spare(self) -> int:
+        """The round dropped this process's replica: free its training state (rank 0's metrics pass to the new
+        rank 0) and wait like a hot spare for a later round's rank; JobEnded when the job needs it no more."""
+        log.info("member %s: its data-parallel replica was dropped; waiting as a spare", self.membership.me.id)
+        self.logger.close()
+        self.logger, self.goodput = NullLogger(), NullLedger()
+        self.grads.remove_hooks()
+        self.model = self.optimizer = self.grads = self.batches = self.comm = None
+        gc.collect()
+        rank = self.membership.await_rank()
+        if rank is None:
+            raise JobEnded(f"member {self.membership.me.id} was not needed again before the job ended")
+        self.detected_at = self.membership.assigned_at
+        return rank
 
     def state_digest(self) -> str:
         """xxh64 over every rank's full training state, combined in rank order."""

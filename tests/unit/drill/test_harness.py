@@ -37,3 +37,14 @@ def test_in_process_drills_kill_the_victim_nodes_last_ranks_first_and_say_what_t
     assert "--fail-during-recovery" in DrillSpec("software", (5,), recovery="inprocess",
                                                  fail_in_recovery=True).problem()
     assert DrillSpec("node", (19,), recovery="inprocess", fail_in_recovery=True).problem() is None
+
+
+def test_an_in_process_drill_without_spares_starts_none_and_takes_software_or_node_failures_on_any_node():
+    spec = DrillSpec("software", (19,), nodes=2, procs_per_node=2, victim=0, no_spare=True, recovery="inprocess")
+    assert spec.problem() is None and (spec.launch.spares_per_node, spec.launch.spare_nodes) == (0, 0)
+    assert DrillSpec("node", (19,), no_spare=True, recovery="inprocess").problem() is None
+    assert DrillSpec("hang", (19,), no_spare=True, recovery="inprocess").problem().startswith("--no-spare --recovery")
+    assert "one --at-step" in DrillSpec("software", (9, 19), no_spare=True, recovery="inprocess").problem()
+    assert "drop --spares-per-node" in DrillSpec("software", (19,), no_spare=True, recovery="inprocess",
+                                                 spares_per_node=1).problem()
+    assert "the last node" in DrillSpec("node", (19,), victim=0, no_spare=True).problem()  # a relaunch renames

@@ -48,6 +48,17 @@ def test_without_spares_the_incomplete_replica_is_dropped_and_dp_shrinks():
     assert assign_ranks((2, 1, 2), world, world[2:], shrink=False) is None  # not allowed to shrink
 
 
+def test_a_shrink_keeps_only_as_many_replicas_as_the_job_can_train_with():
+    world = _world(4, 2)  # tp=2 x dp=4 on 4 nodes; replica d on node d
+    joined = [m for r, m in enumerate(world) if r != 7]  # replica 3 broken: 3 whole ones left
+    three = assign_ranks((2, 1, 4), world, joined, shrink=True)
+    assert three.dp == 3 and three.holders == tuple(m.id for m in world[:6]) and three.idle == ("node3/0",)
+    even = assign_ranks((2, 1, 4), world, joined, shrink=True, dp_ok=lambda dp: 8 % dp == 0)  # a batch of 8
+    assert even.dp == 2 and even.holders == tuple(m.id for m in world[:4])
+    assert set(even.idle) == {"node2/0", "node2/1", "node3/0"}
+    assert assign_ranks((2, 1, 4), world, joined, shrink=True, dp_ok=lambda dp: dp > 3) is None
+
+
 def test_shrinking_keeps_every_survivor_in_its_pipeline_stage_and_tensor_slot():
     world = _world(4, 1)  # tp=1 pp=2 dp=2: ranks 0, 1 in stage 0 (dp 0, 1); 2, 3 in stage 1
     a = assign_ranks((1, 2, 2), world, [m for r, m in enumerate(world) if r != 3], shrink=True)

@@ -125,7 +125,7 @@ def test_without_a_spare_the_decider_waits_for_a_replacement_to_join(store):
     def survivor(me):
         def fn(rnd):  # whichever survivor joins first decides, and waits for the replacement
             if rnd.join(me, survivor=True):
-                rnd.decide((2, 1, 2), WORLD, deadline_s=10, shrink=False, replacement_s=20)
+                rnd.decide((2, 1, 2), WORLD, deadline_s=10, shrink=True, replacement_s=20)  # before shrinking
             return rnd.outcome(timeout_s=30)
         return fn
 
@@ -139,6 +139,26 @@ def test_without_a_spare_the_decider_waits_for_a_replacement_to_join(store):
     assert out["late"].assignment.holders[1] == "node7/spare0"
     assert len({o.assignment for o in out.values()}) == 1
     assert MembershipRound.decided_epochs(_client(store)) == 1
+
+
+def test_with_no_replacement_in_time_the_decider_shrinks_to_a_trainable_dp(store):
+    MembershipRound(_client(store), epoch=1).report_dead(WORLD[1].id)
+    asked = []
+
+    def survivor(me):
+        def fn(rnd):
+            if rnd.join(me, survivor=True):
+                rnd.decide((2, 1, 2), WORLD, deadline_s=10, shrink=True, replacement_s=0.5,
+                           dp_ok=lambda dp: asked.append(dp) or True)
+            return rnd.outcome(timeout_s=30)
+        return fn
+
+    started = time.monotonic()
+    out = _in_threads(store, {m.id: survivor(m) for r, m in enumerate(WORLD) if r != 1})
+    assert time.monotonic() - started >= 0.5 and asked == [1]  # the wait came first, then one shrink
+    (a,) = {o.assignment for o in out.values()}
+    assert (a.dp, a.holders) == (1, ("node1/0", "node1/1"))
+    assert out[WORLD[0].id].role(WORLD[0].id) == "idle"  # the broken replica's survivor: a spare now
 
 
 def test_the_end_of_the_job_is_seen_by_idle_spares(store):

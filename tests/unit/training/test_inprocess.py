@@ -85,3 +85,31 @@ def test_an_idle_spare_stops_waiting_when_the_job_ends(monkeypatch):
     spare = Membership.connect(cfg, timeout_s=30)
     MembershipRound.finish(server, spare.prefix)
     assert spare.await_rank() is None
+
+
+@pytest.mark.parametrize("shrink", [True, False])
+def test_without_a_spare_the_broken_replicas_survivor_becomes_a_spare_or_the_round_fails(shrink):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    world = [member_of(f"node{n}/{i}") for n in range(2) for i in range(2)]  # tp=2 x dp=2, replica d on node d
+    cfg = RecoveryConfig(store=f"127.0.0.1:{server.port}", round_timeout_s=10, shrink=shrink)
+    MembershipRound(server, 1, "p").report_dead("node0/1")
+    got = {}
+
+    def survive(member):
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+        m = Membership(client, member, "p", cfg, world=list(world))
+        try:
+            got[member.id] = (m.survive((2, 1, 2), dp_ok=lambda dp: True), m.world)
+        except inprocess.RoundFailed as e:
+            got[member.id] = e
+
+    threads = [threading.Thread(target=survive, args=(m,)) for m in (world[0], world[2], world[3])]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if not shrink:
+        assert all(isinstance(v, inprocess.RoundFailed) and "recovery.shrink=false" in str(v) for v in got.values())
+        return
+    kept = [member_of("node1/0"), member_of("node1/1")]
+    assert got == {"node0/0": (None, world), "node1/0": (0, kept), "node1/1": (1, kept)}
