@@ -35,7 +35,10 @@ bytes read) or rolled back from their own Tier-1, and the lost ranks served as t
 With ``--no-spare`` (node failures) no replacement arrives: the job carries on
 on the surviving nodes with a smaller dp. Its restore reshards the state (the
 lost node's ranks from their Tier-2 replicas on the survivors, the others from
-Tier-1, nothing from Tier-3), and the job trains on to ``train.iters``.
+Tier-1, nothing from Tier-3), and the job trains on to ``train.iters``. With
+``--recovery inprocess`` (software or node failures, any victim node) no spare
+is started and the survivors shrink dp in place; the dropped replicas' nodes
+count as lost, so up to two steps may be lost.
 
 The relaunched job recovers (its ``restore()``) and trains on to ``train.iters``.
 The drill then reads each recovery record from the run's metrics.jsonl and
@@ -103,7 +106,8 @@ def parse_args(argv: list[str]) -> tuple[DrillSpec, Optional[str]]:
     p.add_argument("--corrupt", action="store_true", help="software failures: flip one byte of the victim node's "
                                                           "newest Tier-1 base before relaunching (checksum drill)")
     p.add_argument("--no-spare", action="store_true", help="node failures: no replacement node; the job carries on "
-                                                            "on the survivors with a smaller dp (resharded restore)")
+                                                            "on the survivors with a smaller dp (resharded restore; "
+                                                            "in process also for software failures)")
     p.add_argument("--recovery", choices=RECOVERY_MODES, default="relaunch",
                    help="relaunch the job after each failure (torchrun), or recover in place (megatier-agent: the "
                         "survivors keep running, hot spares take the lost ranks; software, node and hang failures)")

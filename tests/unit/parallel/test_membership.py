@@ -53,18 +53,18 @@ def _survivor(me: Member, deadline_s: float = 20.0):
     return fn
 
 
-def _spare(me: Member):
-    def fn(rnd):
-        rnd.join(me, survivor=False)
-        return rnd.outcome(timeout_s=30)
-    return fn
+def _spare(me: Member, server):
+    """An idle spare: it joined the next round long before the failure (Membership.await_rank), so it has
+    joined before any survivor does; its thread reads the outcome."""
+    MembershipRound(_client(server), epoch=1).join(me, survivor=False)
+    return lambda rnd: rnd.outcome(timeout_s=30)
 
 
 def test_survivors_and_a_spare_agree_on_one_world_as_soon_as_the_dead_is_reported(store):
     MembershipRound(_client(store), epoch=1).report_dead(WORLD[1].id)
     started = time.monotonic()
     jobs = {m.id: _survivor(m) for r, m in enumerate(WORLD) if r != 1}
-    out = _in_threads(store, {**jobs, SPARE.id: _spare(SPARE)})
+    out = _in_threads(store, {**jobs, SPARE.id: _spare(SPARE, store)})
     assert time.monotonic() - started < 5  # no deadline waited out
     decisions = {o.assignment for o in out.values()}
     assert len(decisions) == 1
@@ -114,7 +114,7 @@ def test_a_spare_that_died_with_its_node_is_not_given_a_rank(store):
     MembershipRound(client, epoch=1).join(dead_spare, survivor=False)
     for member in (WORLD[3], dead_spare):  # the node's rank and its spare died together
         MembershipRound(client, epoch=1).report_dead(member.id)
-    out = _in_threads(store, {**{m.id: _survivor(m) for m in WORLD[:3]}, SPARE.id: _spare(SPARE)})
+    out = _in_threads(store, {**{m.id: _survivor(m) for m in WORLD[:3]}, SPARE.id: _spare(SPARE, store)})
     (a,) = {o.assignment for o in out.values()}
     assert a.holders[3] == SPARE.id and dead_spare.id not in a.idle
 
