@@ -68,9 +68,11 @@ def run_inprocess(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict]
     the survivors and spares recover each in place and the job finishes in the same launch. A node failure's
     memory is wiped after the launch: nothing reads it meanwhile (no process runs on that node any more)."""
     hang = ":stop" if spec.fail == "hang" else ""
-    armed = ",".join(f"{CrashPoint.TRAIN_STEP_END}:{s}:{r}{hang}" for k, s in enumerate(spec.at_steps)
-                     for r in spec.victim_ranks(k))
-    env = {spec.victim_node: {"MEGATIER_CRASH_AT": armed}}
+    armed: dict[int, list[str]] = {}
+    for k, step in enumerate(spec.at_steps):
+        armed.setdefault(spec.armed_node(k), []).extend(
+            f"{CrashPoint.TRAIN_STEP_END}:{step}:{r}{hang}" for r in spec.victim_ranks(k))
+    env = {node: {"MEGATIER_CRASH_AT": ",".join(points)} for node, points in armed.items()}
     if spec.fail_in_recovery:  # the first replay of rank 0 is the in-place rollback
         env[0] = {"MEGATIER_CRASH_AT": f"{CrashPoint.REPLAY_MID_BATCH}:1:0"}
     status = launch(spec.launch, job, "launch0-inprocess", env)

@@ -74,7 +74,10 @@ class DrillSpec:
 
     def victim_ranks(self, k: int) -> list[int]:
         """In-process drills (ranks are node-major there): the ranks failure ``k`` kills: the victim node's last
-        rank for the first, the one before it for the second, ...; every rank of the node for a node failure."""
+        rank for the first, the one before it for the second, ...; every rank of the node for a node failure.
+        Without spares the second kills rank 0 of the shrunk job, which a survivor of the dropped replica takes."""
+        if self.no_spare and k:
+            return [0]
         first = self.victim_node * self.procs_per_node
         if self.fail == "node":
             return list(range(first, first + self.procs_per_node))
@@ -85,6 +88,11 @@ class DrillSpec:
         if self.fail == "rack":
             return list(range(self.nodes))
         return [] if self.fail == "stage" else [self.victim_node]
+
+    def armed_node(self, k: int) -> int:
+        """The node whose processes arm failure ``k`` (in-process drills): the victim's, but the second failure
+        without spares is on the node after it, which holds the shrunk job's rank 0."""
+        return (self.victim_node + 1) % self.nodes if self.no_spare and k else self.victim_node
 
     def problem(self) -> Optional[str]:
         """Why this drill cannot run (one line), or None."""
@@ -113,8 +121,10 @@ class DrillSpec:
             return f"--victim {self.victim_node} is not a node index in [0, {self.nodes})"
         if self.fail == "node" and self.nodes < 2:
             return "a node failure needs --nodes >= 2: the lost node's replicas live on its ring peer"
-        if self.no_spare and self.inprocess and (self.fail not in ("node", "software") or len(self.at_steps) != 1):
-            return "--no-spare --recovery inprocess goes with --fail node or software and one --at-step"
+        if self.no_spare and self.inprocess and not (self.fail == "node" and len(self.at_steps) == 1 or
+                                                     self.fail == "software" and len(self.at_steps) <= 2):
+            return ("--no-spare --recovery inprocess goes with --fail node and one --at-step, or --fail software "
+                    "and up to two")
         if self.no_spare and not self.inprocess and (self.fail != "node" or len(self.at_steps) != 1 or
                                                      self.victim_node != self.nodes - 1):
             return ("--no-spare goes with --fail node, one --at-step and the last node as the victim (the survivors "

@@ -120,9 +120,7 @@ class Trainer:
         """Everything the current world's layout shapes: data, model, optimizer, guards, rank 0's logger and
         ledger, fault injectors and the checkpointer (again after an in-place recovery that changed the layout)."""
         cfg = self.cfg
-        # What this topology can take (a warning for each change) becomes the run's config, the one
-        # config.yaml records and checkpointing uses.
-        cfg.checkpoint = effective_checkpoint_config(self._checkpoint_cfg, self.ps.num_nodes)
+        self._fit_checkpointing()
         self._set_threads()
         torch.manual_seed(derive_seed(cfg.train.seed, "torch", self.ps.tp_rank, self.ps.dp_rank, self.ps.pp_rank))
         self._build_data()
@@ -142,6 +140,11 @@ class Trainer:
         for block in list(self.model.layers.values())[:1]:
             self.flip.install(block)
         self.checkpointer = self._build_checkpointer(self._factory)
+
+    def _fit_checkpointing(self) -> None:
+        """What this world's topology can take (a warning for each change) becomes the run's checkpoint config,
+        the one config.yaml records and checkpointing uses: a re-formed world may span fewer or more nodes."""
+        self.cfg.checkpoint = effective_checkpoint_config(self._checkpoint_cfg, self.ps.num_nodes)
 
     def _set_threads(self) -> None:
         threads = self.cfg.train.threads
@@ -470,6 +473,7 @@ class Trainer:
         self._form_world()
         if (new_rank, self.ps.degrees) == (rank, degrees) and self.model is not None:
             attach_groups(detached, self.ps)
+            self._fit_checkpointing()
             self.checkpointer = self._build_checkpointer(self._factory)
             self.checkpointer.shard.live_version = live
         else:  # another rank or dp: the state is resharded from the checkpoints, as after an elastic relaunch

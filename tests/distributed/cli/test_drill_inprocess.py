@@ -70,15 +70,19 @@ def test_a_failure_during_the_recovery_falls_back_to_a_relaunch(tmp_path, drill_
     assert report["final_digest"] == drill_reference
 
 
-def test_without_a_spare_dp_shrinks_in_place_and_rank_0s_metrics_move_to_a_survivor(tmp_path):
+def test_without_a_spare_dp_shrinks_in_place_and_a_dropped_survivor_takes_the_next_lost_rank(tmp_path):
     # Rank 1 dies on node0 and nobody replaces it: replica 0 (node0) is dropped, its survivor (rank 0, the
-    # metrics writer) waits as a spare until the job ends, and node1's ranks go on as ranks 0 and 1 of dp=1.
+    # metrics writer) waits as a spare, and node1's ranks go on as ranks 0 and 1 of dp=1. Then that rank 0 dies
+    # and the waiting survivor takes its place, reading its units from node1's memory.
     report = drill(tmp_path, "--recovery", "inprocess", "--fail", "software", "--no-spare", "--victim", "0",
-                   "--at-step", "19", "--compare")
+                   "--at-step", "19", "25", "--compare")
     assert report["ok"] and report["returncode"] == 0, report["stdout"]
-    (rec,) = report["recoveries"]
-    assert rec["resharded"] == "(2,1,2) -> (2,1,1)" and rec["bytes_tier3"] == 0, rec
-    assert rec["canonical_digest"] == report["reference_canonical_digest"]  # the state at E, bit for bit
-    assert 19 - rec["end"] <= 2  # node0's newest steps come from their ring replicas, as after a node loss
-    _timeline_adds_up(report["recovery_timelines"][0])
-    assert report["final_loss"] is not None  # the new rank 0 logged the job to its end
+    shrink, spare = report["recoveries"]
+    assert shrink["resharded"] == "(2,1,2) -> (2,1,1)" and shrink["bytes_tier3"] == 0, shrink
+    assert shrink["canonical_digest"] == report["reference_canonical_digest"]  # the state at E, bit for bit
+    assert 19 - shrink["end"] <= 2  # node0's newest steps come from their ring replicas, as after a node loss
+    assert not spare["resharded"] and spare["rank_nodes"] == ["node0", "node1"], spare
+    assert 25 - spare["end"] <= 1 and spare["ranks_in_place"] in ([1], []) and spare["bytes_tier3"] == 0, spare
+    for timeline in report["recovery_timelines"]:
+        _timeline_adds_up(timeline)
+    assert report["final_loss"] is not None  # rank 0's metrics followed it to the end of the job

@@ -44,7 +44,10 @@ def test_an_in_process_drill_without_spares_starts_none_and_takes_software_or_no
     assert spec.problem() is None and (spec.launch.spares_per_node, spec.launch.spare_nodes) == (0, 0)
     assert DrillSpec("node", (19,), no_spare=True, recovery="inprocess").problem() is None
     assert DrillSpec("hang", (19,), no_spare=True, recovery="inprocess").problem().startswith("--no-spare --recovery")
-    assert "one --at-step" in DrillSpec("software", (9, 19), no_spare=True, recovery="inprocess").problem()
+    assert "up to two" in DrillSpec("software", (9, 19, 25), no_spare=True, recovery="inprocess").problem()
+    assert "one --at-step" in DrillSpec("node", (9, 19), no_spare=True, recovery="inprocess").problem()
+    two = DrillSpec("software", (9, 19), no_spare=True, recovery="inprocess")
+    assert [(two.armed_node(k), two.victim_ranks(k)) for k in range(2)] == [(1, [3]), (0, [0])]
     assert "drop --spares-per-node" in DrillSpec("software", (19,), no_spare=True, recovery="inprocess",
                                                  spares_per_node=1).problem()
     assert "the last node" in DrillSpec("node", (19,), victim=0, no_spare=True).problem()  # a relaunch renames
