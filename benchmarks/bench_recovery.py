@@ -2,7 +2,8 @@
 """Recovery time of MegaTier: fused diff replay against its alternatives, and recovery per failure class.
 
 Three parts (``--part replay|classes|modes|all``, default all). The third, ``modes``, drills software and node
-failures at the classes part's points once by relaunch and once in process, side by side
+failures (and, with ``--classes ...,shrink``, a node failure without a spare) at the classes part's points once
+by relaunch and once in process, side by side
 (:mod:`benchmarks.recovery_modes` describes it).
 
 replay -- the replay of 10/50/100-step diff chains (TierCheck, arXiv:2605.17821: section 3.3, Exp#7), in
@@ -210,9 +211,9 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
                 f"({args.base_interval - 1}, every step of an interval)")
     if any(o.lstrip("+~").startswith("checkpoint.base_interval=") for o in args.overrides):
         p.error("set the drill's base interval with --base-interval (the failure points are placed in it)")
-    unknown = [c for c in args.classes if c not in CLASSES]
+    unknown = [c for c in args.classes if c not in (*CLASSES, "shrink")]
     if unknown:
-        p.error(f"--classes: unknown {unknown}; choose from {', '.join(CLASSES)}")
+        p.error(f"--classes: unknown {unknown}; choose from {', '.join(CLASSES)} (and shrink: the modes part)")
 
 
 def replay_overrides(args: argparse.Namespace, iters: int, run_dir: str) -> list[str]:
@@ -835,8 +836,9 @@ def run_classes(args: argparse.Namespace, work: str) -> dict:
     if args.drill_script and not os.path.exists(args.drill_script):
         raise SystemExit(f"bench_recovery: the failure drill {args.drill_script} does not exist")
     offsets = point_offsets(args.points, args.base_interval)
+    classes = [c for c in args.classes if c in CLASSES]
     drills = [(failure, o, f, *run_point(args, work, failure, o))
-              for failure in args.classes for o, f in zip(offsets, point_fractions(args.points))]
+              for failure in classes for o, f in zip(offsets, point_fractions(args.points))]
     load = measure_full_load(args, work)
     step_s, step_source = mean_step_time([d[3].get("run_dir") for d in drills]), "the drills' mean iter_time_s"
     if step_s is None:
@@ -845,7 +847,7 @@ def run_classes(args: argparse.Namespace, work: str) -> dict:
     out = {"drill_overrides": drill_overrides(args, None), "base_interval": args.base_interval, "offsets": offsets,
            "baseline_k": args.baseline_k, "full_state_bytes": load["bytes"], "baseline_load_s": load["load_s"],
            "step_s": step_s, "step_source": step_source, "points": rows,
-           "classes": [class_summary(c, [r for r in rows if r["class"] == c]) for c in args.classes]}
+           "classes": [class_summary(c, [r for r in rows if r["class"] == c]) for c in classes]}
     print(format_classes_report(out))
     return out
 

@@ -17,7 +17,6 @@ when ``checkpoint.enabled``. The overhead benchmark injects its baselines.
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -53,16 +52,14 @@ from megatier.parallel.route_schedule import checkfree_plus_routes, forward_back
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
 from megatier.parallel.state import (
     ParallelState,
-    attach_groups,
     build_parallel_state,
-    detach_groups,
     init_process_group,
 )
 from megatier.seeding import derive_seed
-from megatier.training.inprocess import JobEnded, Membership, become_rank
+from megatier.training.inprocess import Membership
 from megatier.training.interrupt import StopRequest
 from megatier.training.nonfinite import NonFiniteGuard
-from megatier.training.outcome import DIVERGED, refusal
+from megatier.training.reform import InPlaceRecovery
 from megatier.training.sdc import SpikeCheck, ranks_that_differ
 
 log = logging.getLogger(__name__)
@@ -79,7 +76,7 @@ def _pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-class Trainer:
+class Trainer(InPlaceRecovery):
     def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None,
                  stop: Optional[StopRequest] = None, membership: Optional[Membership] = None):
         self.cfg = cfg
@@ -435,80 +432,6 @@ class Trainer:
         self.fault(CrashPoint.TRAIN_STEP_END, step)
         if record.get("stop_requested"):
             self.interrupted_at = step
-
-    # ---- in-process recovery ------------------------------------------------------------------
-
-    def _recoverable(self, error: RuntimeError) -> bool:
-        """Whether ``error`` (a collective or checkpoint transfer that failed: a peer died or hung) is recovered
-        in place: only with a membership store and a checkpointer that can stop without a collective, and
-        not twice at the same step (a failure that recurs there is this process's own: the launch ends)."""
-        if self.membership is None or not hasattr(self.checkpointer, "abort"):
-            return False
-        if isinstance(error, DIVERGED) or refusal(error) is not None:  # a stop or a refusal, not a lost peer
-            return False
-        return self._recovered_at != self.step
-
-    def _recover_in_place(self, failure: str) -> None:
-        """Re-form the job with the survivors and spares and restore in place: the same layout keeps model,
-        optimizer and data; a shrunk one (no spare: recovery.shrink) builds them for the new layout, and a
-        survivor whose replica was dropped waits as a spare."""
-        self.detected_at = time.time()
-        live = None if self._updating else self.step
-        self._updating = False
-        if self.ps.rank == 0:
-            log.warning("step %d: a peer failed (%s); recovering in place (recovery.mode=inprocess)", self.step + 1,
-                        failure)
-        holders = [*self.model.modules(), self.optimizer, self.grads, self.nonfinite,
-                   *([self.comm] if self.comm is not None else [])]
-        detached = detach_groups(holders, self.ps)
-        rank, degrees = self.ps.rank, self.ps.degrees
-        dist.destroy_process_group()
-        self.checkpointer.abort(timeout=min(10.0, self.cfg.parallel.timeout_s))
-        self.checkpointer = self.ps = None  # the last references: the old groups close, blocked peers fail now
-        gc.collect()
-        new_rank = self.membership.survive(degrees, self._trainable_dp)
-        if new_rank is None:
-            new_rank = self._wait_as_spare()
-        become_rank(self.membership, new_rank)
-        self._form_world()
-        if (new_rank, self.ps.degrees) == (rank, degrees) and self.model is not None:
-            attach_groups(detached, self.ps)
-            self._fit_checkpointing()
-            self.checkpointer = self._build_checkpointer(self._factory)
-            self.checkpointer.shard.live_version = live
-        else:  # another rank or dp: the state is resharded from the checkpoints, as after an elastic relaunch
-            log.info("member %s re-forms as rank %d of tp=%d pp=%d dp=%d (was rank %d of dp=%d)",
-                     self.membership.me.id, new_rank, *self.ps.degrees, rank, degrees[2])
-            del detached
-            if self.grads is not None:
-                self.grads.remove_hooks()
-            self._build_components()
-        self._recovered_at = self.step
-        self.restore()
-        self.checkpointer.shard.live_version = None
-
-    def _trainable_dp(self, dp: int) -> bool:
-        """Whether this job's configuration trains with ``dp`` data-parallel replicas (a shrink's choice)."""
-        try:
-            validate(self.cfg, dp * self.cfg.parallel.tp * self.cfg.parallel.pp)
-        except ConfigError:
-            return False
-        return True
-
-    def _wait_as_spare(self) -> int:
-        """The round dropped this process's replica: free its training state (rank 0's metrics pass to the new
-        rank 0) and wait like a hot spare for a later round's rank; JobEnded when the job needs it no more."""
-        log.info("member %s: its data-parallel replica was dropped; waiting as a spare", self.membership.me.id)
-        self.logger.close()
-        self.logger, self.goodput = NullLogger(), NullLedger()
-        self.grads.remove_hooks()
-        self.model = self.optimizer = self.grads = self.batches = self.comm = None
-        gc.collect()
-        rank = self.membership.await_rank()
-        if rank is None:
-            raise JobEnded(f"member {self.membership.me.id} was not needed again before the job ended")
-        self.detected_at = self.membership.assigned_at
-        return rank
 
     def state_digest(self) -> str:
         """xxh64 over every rank's full training state, combined in rank order."""

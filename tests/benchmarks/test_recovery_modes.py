@@ -20,6 +20,20 @@ def test_the_mode_goes_before_the_jobs_overrides():
                                                   "--recovery", "inprocess", "--", "model=small"]
 
 
+def test_the_shrink_class_drills_a_node_failure_without_a_spare_and_has_no_target():
+    cmd = ["python", "-m", "megatier.cli.drill", "--fail", rm.drilled_failure("shrink"), "--", "model=small"]
+    assert rm.modes_command(cmd, "relaunch", "shrink") == ["python", "-m", "megatier.cli.drill", "--fail", "node",
+                                                           "--recovery", "relaunch", "--no-spare", "--",
+                                                           "model=small"]
+    rows = [rm.mode_point("shrink", m, 1, 0.0, _report(m, t, in_place=()), 0.1, 0.2, 50, 0.0)
+            for m, t in (("relaunch", 12.0), ("inprocess", 0.8))]
+    s = rm.mode_summary("shrink", rows)
+    assert s["met"] is None and s["speedup"] == pytest.approx(15.0)
+    table = rm.format_modes_report({"points": 1, "offsets": [1], "base_interval": 20, "baseline_k": 50,
+                                    "classes": [s]})
+    assert "15.0x faster than relaunch, 0.80 s (no target)" in table
+
+
 def test_the_summary_means_each_part_and_checks_the_targets():
     rows = []
     for total_r, total_i in ((12.0, 0.5), (14.0, 0.7)):
