@@ -10,6 +10,9 @@ micro-batches and applies optimizer step s; afterwards the state is "version s".
 Global rank 0 also keeps the job's goodput ledger (:mod:`megatier.observe.goodput`) in the run
 directory: reconciled after restore, updated every step, its fields in every step record and the summary.
 
+A collective that fails because a peer died or hung is recovered in place when a membership store is known
+(:class:`~megatier.training.reform.InPlaceRecovery`, a mixin of the Trainer).
+
 Checkpointing plugs in through a :class:`~megatier.checkpoint.checkpointer.Checkpointer`
 (None when disabled): ``Trainer(cfg, checkpointer=factory)`` builds it from the
 model and optimizer with the given factory, else with ``build_checkpointer``
