@@ -14,6 +14,7 @@ import pytest
 
 from megatier.observe.run_history import RunHistory
 from tests.conftest import REPO
+from tools.chaos.s3_proxy import FaultRule, S3FaultProxy
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -185,3 +186,32 @@ def test_a_job_that_diverges_after_every_restore_stops_with_exit_6_instead_of_lo
     (line,) = [s for s in stopped.stderr.splitlines() if s.startswith("restore loop: ")]
     assert "(v1->E=1 (failed after step 1), v0->E=0 (failed after step 1))" in line and "step 2 itself" in line
     assert "Traceback" not in stopped.stderr
+
+
+def test_a_run_whose_tier3_stayed_behind_exits_3_and_says_what_is_durable(tmp_path, corpus_prefix, s3_url):
+    url, endpoint = s3_url
+    proxy = S3FaultProxy(endpoint).start()
+    args = [a for a in _common(tmp_path, corpus_prefix) if not a.startswith("checkpoint.tiers=")]
+    args += ["checkpoint.tiers=[local,remote]", f"checkpoint.remote.url={url}",
+             f"checkpoint.remote.endpoint_url={proxy.url}", "checkpoint.remote.drain_timeout_s=3",
+             "checkpoint.remote.lease_s=3", "train.iters=300"]
+    cmd = [sys.executable, "-m", "megatier.train", *args]
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                                cwd=REPO)
+        metrics = f"{tmp_path}/run/metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:  # Tier-3 goes down after a few steps
+            if os.path.exists(metrics) and sum(1 for _ in open(metrics)) > 3:
+                break
+            time.sleep(0.05)
+        proxy.set_rule(FaultRule("reset"))
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proxy.stop()
+    summary = _records(f"{tmp_path}/run")[-1]
+    assert proc.returncode == 3, err[-2000:]
+    assert summary["step"] == 300 and summary["checkpoint_behind"], summary
+    assert "Traceback" not in err
+    line = f"checkpoints: Tier-3 is {summary['checkpoint_units_behind']} units behind; the last durable version is"
+    assert line in err, err[-2000:]
