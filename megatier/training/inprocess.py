@@ -15,9 +15,13 @@ rank (gloo: the connection closes, or the collective times out for a hung peer).
 
 A spare started with MEGATIER_SPARE=1 has imported everything and waits in the rounds (:meth:`Membership.
 await_rank`) until one gives it a rank; it then builds its Trainer on the round's groups and restores the lost
-rank's state from its node's memory (a process crash) or its ring peer's (a lost node). A round that cannot
-complete (no spare for a lost rank within ``recovery.wait_for_replacement_s``, the store gone, a decider that
-died) ends the launch with :class:`RoundFailed`: the next launch restores exactly as after any failure.
+rank's state from its node's memory (a process crash) or its ring peer's (a lost node).
+
+With no spare for a lost rank within ``recovery.wait_for_replacement_s``, the round drops the data-parallel
+replicas the loss broke (``recovery.shrink``, the default); their surviving processes wait like spares
+(:class:`JobEnded` when the job ends first). A round that cannot complete (no spare and no shrinking, the store
+gone, a decider that died) ends the launch with :class:`RoundFailed`: the next launch restores exactly as after
+any failure.
 """
 from __future__ import annotations
 
