@@ -131,7 +131,7 @@ class Trainer(InPlaceRecovery):
         self.spikes = SpikeCheck(cfg.reliability.spike_factor, scaled)
         if (self.ps.rank == 0) != isinstance(self.logger, MetricsLogger):  # rank 0 writes the metrics
             self.logger.close()
-            self.logger, self.goodput = self._build_logger(), self._build_ledger(self.started)
+            self.logger, self.goodput = self._build_logger(), self._build_ledger()
         self.fault = FaultInjector.from_env(self.ps.rank)
         # Transient faults for drills: a flipped activation bit, a NaN in the gradient (megatier.training.sdc), a
         # flipped bit in the gathered parameters (the replica check).
@@ -236,12 +236,12 @@ class Trainer(InPlaceRecovery):
             f.write(OmegaConf.to_yaml(resolved))
         return MetricsLogger(self.cfg.logging, run_dir, resolved, total_steps=self.cfg.train.iters)
 
-    def _build_ledger(self, started: float):
+    def _build_ledger(self):
         if self.ps.rank != 0:
             return NullLedger()
         fingerprint = fingerprint_hash(state_fingerprint(self.cfg, self.data_checksum))
-        return GoodputLedger.open(self.cfg.logging.run_dir, self.cfg.checkpoint.job_id, fingerprint, started=started,
-                                  process_started=process_started())
+        return GoodputLedger.open(self.cfg.logging.run_dir, self.cfg.checkpoint.job_id, fingerprint,
+                                  started=self.started, process_started=process_started())
 
     # ---- one step -----------------------------------------------------------------------------
 
