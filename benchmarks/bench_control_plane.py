@@ -1,11 +1,12 @@
 """Recovery's control plane at 1k to 100k ranks, simulated in one process on a synthetic inventory.
 
-Every rank of a job runs the same control plane when it recovers: it exchanges
-the inventory, merges it, agrees on the base V and the end E, and plans each
-round of the cascade. Those steps are pure functions of what was exchanged, so
-one process can run one rank's share of them for a world it does not have.
-This script builds the inventory such a world leaves behind and runs MegaTier's
-own functions on it:
+When a job recovers, every rank sends its share of its node's listing to rank
+0; rank 0 merges the inventory, agrees on the base V and the end E, and sends
+each rank its plan (the chains and copies of the units it fetches); each rank
+then plans its own rounds of the cascade. Those steps are pure functions of
+what was exchanged, so one process can run them for a world it does not have.
+This script builds the inventory such a world leaves behind and runs
+MegaTier's own functions on it:
 
   world      tp 8 (one node of 8 ranks), pp 16, dp the rest; every rank has 2
              bases (steps 0 and 50) and a 50-step chain after the newer one
@@ -15,28 +16,29 @@ own functions on it:
   failure    one node lost: its memory is gone (its ranks' own copies and the
              replicas it held); a spare node with empty memory runs its ranks
 
-Phases, per rank (each rank does the same work on the same data):
+Figures:
 
-  exchange   bytes received by each rank: the node names, every rank's share of
-             its node's listing (an all-gather: torch pads every item to the
-             largest), rank 0's Tier-3 listing (a broadcast); CPU time to
-             unpickle them. ``old exchange`` is the single gather used before,
-             where each rank sent its node's whole listing and rank 0 Tier-3's
-             as well, computed from the same item sizes
-  merge      the Inventory from the exchanged data
-  consensus  decide(): V, E, every rank's chain and the copies of each unit
-  plan       every cascade round's candidate lists (Fetcher.plan)
+  rank 0     bytes it receives (the node names, an all-gather, and every
+             rank's share, a gather: torch pads every item to the largest);
+             what it holds (the merged inventory and the plans); its CPU to
+             unpickle, merge, decide (consensus) and cut and pickle the plans
+  other      a rank other than 0 (one of the spare node's): bytes it receives
+             (the node names and its plan: the scatter pads every plan to the
+             largest), what it holds (its plan), its CPU to unpickle its plan
+             and plan its rounds (Fetcher.plan)
   status     the status gathers of the cascade's rounds (bytes per rank)
+  before     what every rank received when each derived the consensus itself
+             (an all-gather of the shares and a broadcast of Tier-3's listing)
   round      in-process recovery's membership round on an in-memory store:
-             every survivor joins (CPU per join), the spare node's ranks join
-             as spares, the lost node's processes are reported dead; the
-             deciding survivor reads the member list once and assigns the
-             ranks (its CPU); every member reads the decision (bytes per rank)
+             every survivor joins, the spare node's ranks join as spares, the
+             lost node's processes are reported dead; the deciding survivor
+             reads the member list once and assigns the ranks (its CPU); every
+             member reads the decision (bytes per rank)
 
 Figures are CPU seconds of this one thread (time.process_time) and bytes; they
 do not depend on the machine's load.
 
-    python benchmarks/bench_control_plane.py                      # 1k, 16k, 100k ranks (~10 min, ~8 GiB)
+    python benchmarks/bench_control_plane.py                      # 1k, 16k, 100k ranks (~10 min, ~5 GiB)
     python benchmarks/bench_control_plane.py --ranks 1024,2048 --out-json cp.json
 """
 from __future__ import annotations
@@ -55,8 +57,9 @@ import torch.distributed as dist
 from megatier.checkpoint.format.payload import Stamp
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.cascade import Fetcher
-from megatier.checkpoint.recover.consensus import decide
+from megatier.checkpoint.recover.consensus import cascade, decide
 from megatier.checkpoint.recover.inventory import Inventory, merge, share_of
+from megatier.checkpoint.recover.plan import RankPlan, cut
 from megatier.checkpoint.tiers.base import JOB, NODE, TIER1, TIER2, TIER3, Copy, Listing
 from megatier.parallel.assignment import Member
 from megatier.parallel.layout import Layout, coordinates_of
@@ -121,31 +124,31 @@ def cpu(fn: Callable):
     return out, time.process_time() - start
 
 
-def gathered(sizes: list[int]) -> int:
-    """Bytes every rank receives from an all_gather_object of items of ``sizes``: each padded to the largest."""
+def padded(sizes: list[int]) -> int:
+    """Bytes an object collective of items of ``sizes`` moves to one receiver: torch pads each to the largest."""
     return len(sizes) * max(sizes)
 
 
 def exchange(world: World, rank_nodes: list[str]) -> tuple[Inventory, dict]:
-    """Every rank's items pickled as it would send them, and one rank's receive side: unpickle and merge."""
+    """Every rank's share pickled as it sends it to rank 0, and rank 0's side: unpickle and merge (it lists
+    Tier-3 itself). ``old`` figures are the all-gather every rank received before rank 0 decided alone."""
     names = pickle.dumps(rank_nodes[0])
-    remote = Listing(copies=[Copy(s, TIER3, None) for r in range(world.ranks)
-                             for s in stamps(world, r, world.units(tier3=True))], traces=True)
-    job_blob = pickle.dumps({TIER3: remote})
-    items, old_sizes, build_s = [], [], 0.0
+    remote = {TIER3: Listing(copies=[Copy(s, TIER3, None) for r in range(world.ranks)
+                                     for s in stamps(world, r, world.units(tier3=True))], traces=True)}
+    items, build_s = [], 0.0
     for node in range(world.nodes):
         listings, seconds = cpu(lambda: node_listings(world, node))
         build_s += seconds
-        whole_item = len(pickle.dumps({"node": "x", "listings": listings, "fatal": None}))
         for i in range(PER_NODE):
             shares = {label: share_of(listing, i, PER_NODE) for label, listing in listings.items()}
             items.append(pickle.dumps({"shares": shares, "fatal": None}))
-            old_sizes.append(whole_item + (len(job_blob) if node == 0 and i == 0 else 0))
-    received, unpickle_s = cpu(lambda: ([pickle.loads(b)["shares"] for b in items], pickle.loads(job_blob)))
-    inv, merge_s = cpu(lambda: merge(rank_nodes, received[0], received[1], TIERS))
-    sizes = {"exchange_bytes": gathered([len(names)] * world.ranks) + gathered([len(b) for b in items])
-             + len(job_blob), "old_exchange_bytes": gathered(old_sizes)}
-    return inv, {**sizes, "cpu_s": {"listing": build_s / world.nodes, "unpickle": unpickle_s, "merge": merge_s}}
+    received, unpickle_s = cpu(lambda: [pickle.loads(b)["shares"] for b in items])
+    inv, merge_s = cpu(lambda: merge(rank_nodes, received, remote, TIERS))
+    names_bytes = padded([len(names)] * world.ranks)
+    job_bytes = len(pickle.dumps(remote))
+    return inv, {"names_bytes": names_bytes, "rank0_receives": names_bytes + padded([len(b) for b in items]),
+                 "old_receives": names_bytes + padded([len(b) for b in items]) + job_bytes,
+                 "cpu_s": {"listing": build_s / world.nodes, "unpickle": unpickle_s, "merge": merge_s}}
 
 
 def membership_round(world: World) -> dict:
@@ -171,17 +174,31 @@ def membership_round(world: World) -> dict:
 def run(world: World) -> dict:
     rank_nodes = [world.node_of(r) for r in range(world.ranks)]
     inv, row = exchange(world, rank_nodes)
-    consensus, decide_s = cpu(lambda: decide(inv.copies, job_id=JOB_ID.decode(), degrees=(TP, PP, world.dp),
-                                             traces=True, allow_fresh_start=False, looked=inv.looked()))
-    fetcher = Fetcher(SimpleNamespace(rank=0), None, consensus, inv)
-    plans, plan_s = cpu(lambda: [fetcher.plan(k) for k in range(fetcher.rounds())])
-    status = len(pickle.dumps({"got": (TIER2, 1 << 20), "next": 1, "notes": [], "fatal": None}))
-    elsewhere = [sum(1 for r, cs in cands.items() if cs[0].node != rank_nodes[r]) for _, cands in plans]
-    gathers = len(plans) + sum(1 for n in elsewhere if n)  # a round's local status, and one per remote attempt
-    row["cpu_s"].update(consensus=decide_s, plan=plan_s)
+    degrees = (TP, PP, world.dp)
+    consensus, decide_s = cpu(lambda: decide(inv.copies, job_id=JOB_ID.decode(), degrees=degrees, traces=True,
+                                             allow_fresh_start=False, looked=inv.looked()))
+    plans, cut_s = cpu(lambda: cut(consensus, rank_nodes, degrees, RankPlan(None)))
+    blobs, pickle_s = cpu(lambda: [pickle.dumps(p) for p in plans])
+    # A rank other than 0: the spare node's first rank (its units come from other nodes), and its rounds' plans.
+    other = max(world.lost, 1) * PER_NODE
+    mine, unpickle_s = cpu(lambda: pickle.loads(blobs[other]))
+    fetcher = Fetcher(SimpleNamespace(rank=other), SimpleNamespace(node=rank_nodes[other]), mine.consensus,
+                      rank_nodes)
+    fetcher.owner = mine.passes[0]
+    own, own_s = cpu(lambda: [fetcher.plan(k) for k in range(mine.rounds[0])])
+    remote = [k for r, chain in consensus.chains.items() for k, pid in enumerate(chain)
+              if cascade(consensus.copies[(r, pid)], rank_nodes[r])[0].node != rank_nodes[r]]
+    attempts = len(set(remote))  # a round in which some rank's first copy is on another node: one remote attempt
+    status = len(pickle.dumps({"got": None, "unit": (other, own[0][0]), "ask": {"copy": own[0][1][0], "server": 8},
+                               "notes": [], "fatal": None}))
+    gathers = mine.rounds[0] + attempts  # a round's local status, and one remote attempt
+    plan_bytes = padded([len(b) for b in blobs])
+    row["cpu_s"].update(consensus=decide_s, plans=cut_s + pickle_s, other=unpickle_s + own_s)
     return {"ranks": world.ranks, "nodes": world.nodes, "dp": world.dp, "copies": len(inv.copies),
-            "version": consensus.version, "end": consensus.end, "rounds": len(plans), "transfers": sum(elsewhere),
-            "inventory_bytes": len(pickle.dumps(inv)), "status_bytes": gathers * world.ranks * status, **row,
+            "version": consensus.version, "end": consensus.end, "rounds": mine.rounds[0], "transfers": len(remote),
+            "rank0_holds": len(pickle.dumps(inv)) + sum(len(b) for b in blobs), "other_holds": len(blobs[other]),
+            "other_receives": row["names_bytes"] + plan_bytes // world.ranks, "rank0_sends": plan_bytes,
+            "status_bytes": gathers * world.ranks * status, **row,
             **(membership_round(world) if world.lost >= 0 else {})}
 
 
@@ -195,17 +212,21 @@ def growth(rows: list[dict], key: Callable[[dict], float]) -> str:
 
 def table(rows: list[dict]) -> str:
     def mib(n):
-        return f"{n / 2**20:,.1f}"
+        return f"{n / 2**20:,.2f}"
 
-    cols = [("exchange MiB/rank", lambda r: r["exchange_bytes"], mib),
-            ("old exchange MiB/rank", lambda r: r["old_exchange_bytes"], mib),
-            ("inventory MiB held", lambda r: r["inventory_bytes"], mib),
-            ("status MiB/rank", lambda r: r["status_bytes"], mib)]
-    cols += [(f"{phase} CPU s", (lambda r, p=phase: r["cpu_s"][p]), lambda v: f"{v:.3f}")
-             for phase in ("unpickle", "merge", "consensus", "plan")]
-    cols += [("round: decision MiB/rank", lambda r: r["round_decision_bytes"], lambda v: f"{v / 2**20:,.2f}"),
-             ("round: join CPU ms", lambda r: 1000 * r["round_join_cpu_s"], lambda v: f"{v:.3f}"),
-             ("round: decider CPU s", lambda r: r["round_decide_cpu_s"], lambda v: f"{v:.3f}")]
+    def sec(v):
+        return f"{v:.3f}"
+
+    cols = [("rank 0 receives MiB", lambda r: r["rank0_receives"], mib),
+            ("rank 0 holds MiB", lambda r: r["rank0_holds"], mib),
+            ("rank 0 CPU s", lambda r: sum(r["cpu_s"][p] for p in ("unpickle", "merge", "consensus", "plans")), sec),
+            ("other rank receives MiB", lambda r: r["other_receives"], mib),
+            ("other rank holds KiB", lambda r: r["other_holds"], lambda v: f"{v / 1024:,.1f}"),
+            ("other rank CPU ms", lambda r: 1000 * r["cpu_s"]["other"], lambda v: f"{v:.2f}"),
+            ("status MiB/rank", lambda r: r["status_bytes"], mib),
+            ("before: every rank received MiB", lambda r: r["old_receives"], mib)]
+    cols += [("round: decision MiB/rank", lambda r: r["round_decision_bytes"], mib),
+             ("round: decider CPU s", lambda r: r["round_decide_cpu_s"], sec)]
     lines = ["| ranks | " + " | ".join(name for name, _, _ in cols) + " |",
              "|---:|" + "---:|" * len(cols)]
     lines += [f"| {r['ranks']:,} | " + " | ".join(fmt(key(r)) for _, key, fmt in cols) + " |" for r in rows]

@@ -136,6 +136,14 @@ class CheckpointComm(abc.ABC):
         """Rank ``src``'s ``item`` (picklable) on every rank (the others' argument is ignored). Unlike
         :meth:`gather`, whose every item is padded to the largest, one big item costs each rank its size once."""
 
+    @abc.abstractmethod
+    def collect(self, item: Any, what: str = "a checkpoint collective") -> Optional[list]:
+        """Every rank's ``item`` in rank order on rank 0, None on the others: each rank but 0 receives nothing."""
+
+    @abc.abstractmethod
+    def scatter(self, items: Optional[list], what: str = "a checkpoint collective") -> Any:
+        """Rank 0's ``items[r]`` on each rank r (the others pass None): each rank receives only its own."""
+
     def gather_ints_async(self, values: list[int], what: str = "a checkpoint collective") -> "PendingInts":
         """Start :meth:`gather_ints`; its rows come from the returned handle's ``wait`` (every rank must start
         the same gathers in the same order, and wait for each before a blocking collective of this comm)."""
@@ -240,6 +248,17 @@ class GroupComm(CheckpointComm):
         self._collective(what, lambda: dist.broadcast_object_list(box, src=src, group=self.control))
         return box[0]
 
+    def collect(self, item: Any, what: str = "a checkpoint collective") -> Optional[list]:
+        out = [None] * self.world_size if self.rank == 0 else None
+        self._collective(what, lambda: dist.gather_object(item, out, dst=0, group=self.control))
+        return out
+
+    def scatter(self, items: Optional[list], what: str = "a checkpoint collective") -> Any:
+        box: list = [None]
+        self._collective(what, lambda: dist.scatter_object_list(box, items if self.rank == 0 else None, src=0,
+                                                                group=self.control))
+        return box[0]
+
     def gather_ints_async(self, values: list[int], what: str = "a checkpoint collective") -> PendingInts:
         """:meth:`gather_ints` on a helper thread; the caller waits for it before its next blocking collective
         (the contract above), so this comm's collectives still run in one order on every rank."""
@@ -306,6 +325,12 @@ class SoloComm(CheckpointComm):
 
     def broadcast(self, item: Any, src: int = 0, what: str = "") -> Any:
         return item
+
+    def collect(self, item: Any, what: str = "") -> Optional[list]:
+        return [item]
+
+    def scatter(self, items: Optional[list], what: str = "") -> Any:
+        return items[0]
 
     def send(self, data: Optional[bytes], dst: int) -> None:
         raise RuntimeError(f"a world of one has no rank {dst} to send to")

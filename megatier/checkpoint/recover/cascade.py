@@ -5,19 +5,20 @@ most one unit per rank is held in memory. A round (:meth:`Fetcher.round`):
 
 - local attempt: each rank tries the copies in its own node's memory (own
   area, then replica area), verifying checksum and identity (decoding with
-  this job and layout); then one status gather tells everyone who is done and
-  which candidate each other rank tries next;
+  this job and layout); then one status gather tells everyone who is done, and
+  for each rank that is not, the copy it tries next and the rank that serves
+  it. Only the rank itself knows its candidates (:mod:`.plan`);
 - remote attempts, repeated until everyone is done: for every pending rank r,
-  in rank order, the next candidate copy is served by the server rank of the
-  node holding it (another node's memory), or for a Tier-3 copy by the
-  *leader* of r's node (its server rank again), which reads only the objects
-  its local ranks need and sends them on. Transfers are point-to-point
+  in rank order, its next copy is served by the server rank of the node
+  holding it (another node's memory), or for a Tier-3 copy by the *leader* of
+  r's node (its server rank again), which reads only the objects its local
+  ranks need and sends them on. Transfers are point-to-point
   (:meth:`CheckpointComm.send`: the size, or "nothing" when the server's copy
   is missing or fails its check, then the bytes). Every rank walks the same
-  global list in the same order, so sends and receives pair up and cannot
+  list of asks in the same order, so sends and receives pair up and cannot
   deadlock (the lowest unfinished transfer always has both ends ready). The
-  receiver verifies the bytes against the inventory's stamp, then decodes. A
-  status gather follows; a failed copy moves that rank to its next candidate.
+  receiver verifies the bytes against the stamp its plan holds, then decodes.
+  A status gather follows, with the next ask of each rank whose copy failed.
 
 Sending to the rank instead of writing into the node's memory keeps recovered
 copies out of the areas whose only writers are the save path. When a rank runs
@@ -40,7 +41,7 @@ from megatier.checkpoint.format.payload import (
 )
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.consensus import Consensus, cascade
-from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, raise_fatal
+from megatier.checkpoint.recover.inventory import RecoveryError, node_servers, raise_fatal
 from megatier.checkpoint.storage.store import StoreError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy, Tier
 from megatier.parallel.layout import Layout, coordinates_of
@@ -111,57 +112,69 @@ def _note(copy: Copy, error: Exception) -> tuple[Copy, str, bool]:
 class Fetcher:
     """Runs the cascade of one round (one unit per rank) with the protocol in the module docstring.
 
-    ``owners`` maps each fetching rank to the rank whose chain it fetches: itself when the units were written
-    by this layout; when restore reshards, each rank of the old layout is fetched by some rank of this job,
-    one old rank per fetching rank at a time (restore sets ``owners`` pass by pass).
+    ``owner`` is the rank whose chain this rank fetches (None: nothing): itself when the units were written
+    by this layout; when restore reshards, one old rank of its plan per pass (restore sets it pass by pass).
+    The consensus holds only the chains and copies of this rank's owners (:mod:`.plan`); what the others
+    fetch, and from whom, comes in the status gathers.
     """
 
-    def __init__(self, comm: CheckpointComm, reader: Reader, consensus: Consensus, inventory: Inventory):
+    def __init__(self, comm: CheckpointComm, reader: Reader, consensus: Consensus, rank_nodes: list[str]):
         self.comm = comm
         self.reader = reader
         self.consensus = consensus
-        self.owners = {r: r for r in consensus.chains}
-        self.rank_nodes = inventory.rank_nodes
-        self.servers = inventory.servers
+        self.owner: Optional[int] = None
+        self.rank_nodes = rank_nodes
+        self.servers = node_servers(rank_nodes)
         self.ledger = Ledger()
         self.in_place: set[int] = set()  # ranks whose memory is already at the end: they fetch nothing
 
-    def rounds(self) -> int:
-        """How many rounds the current owners' chains take."""
-        return max((len(self.consensus.chains[o]) for o in self.owners.values()), default=0)
+    def chain(self) -> list[PayloadId]:
+        return self.consensus.chains[self.owner] if self.owner is not None else []
 
-    def plan(self, k: int) -> tuple[dict[int, PayloadId], dict[int, list[Copy]]]:
-        """Round ``k``'s unit of every fetching rank and its candidate copies, cheapest first. Every rank plans
-        every rank's round (sends and receives pair up because all walk the same lists)."""
-        chains, copies = self.consensus.chains, self.consensus.copies
-        need = {r: chains[o][k] for r, o in self.owners.items() if k < len(chains[o])}
-        cands = {r: cascade(copies[(self.owners[r], pid)], self.rank_nodes[r]) for r, pid in need.items()}
-        return need, cands
+    def plan(self, k: int) -> tuple[Optional[PayloadId], list[Copy]]:
+        """This rank's unit of round ``k`` and its candidate copies, cheapest first."""
+        chain = self.chain()
+        if k >= len(chain):
+            return None, []
+        return chain[k], cascade(self.consensus.copies[(self.owner, chain[k])], self.reader.node)
 
     def round(self, k: int, carried_fatal: Optional[str]) -> tuple[Optional[PayloadId], Any]:
         """Fetch unit ``k`` of every owner's chain; returns this rank's (unit, decoded object) or (None, None)."""
-        me = self.comm.rank
         need, cands = self.plan(k)
-        result, got, notes, nxt = self._local_attempt(cands.get(me, []))
-        statuses = self.comm.gather({"got": got, "next": nxt, "notes": notes, "fatal": carried_fatal},
-                                    what=f"recovery round {k} (local copies)")
+        result, got, notes, idx = self._local_attempt(cands)
+        ask = self._ask(need, cands, idx) if need is not None and got is None else None
+        statuses = self.comm.gather({"got": got, "unit": (self.owner, need), "ask": ask, "notes": notes,
+                                     "fatal": carried_fatal}, what=f"recovery round {k} (local copies)")
         raise_fatal(statuses, f"round {k} (local copies)")
-        pending, idx = self._absorb(statuses, need)
+        pending = self._absorb(statuses)
         attempt = 0
         while pending:
-            for r in pending:
-                if idx[r] >= len(cands[r]):
-                    tried = ", ".join(c.describe() for c in cands[r]) or "no copy in any tier"
-                    whose = f"rank {r}" if self.owners[r] == r else f"rank {r} (for old rank {self.owners[r]})"
-                    raise Exhausted(f"{whose} cannot get {need[r]} from any tier (tried: {tried})")
-            mine, status = self._remote_attempt(sorted(pending), cands, idx)
-            statuses = self.comm.gather(status, what=f"recovery round {k} (remote attempt {attempt})")
-            raise_fatal(statuses, f"round {k} (remote attempt {attempt})")
+            for _, ask in sorted(pending.items()):
+                if "exhausted" in ask:
+                    raise Exhausted(ask["exhausted"])
+            mine, status = self._remote_attempt(sorted(pending.items()))
             if mine is not None:
                 result = mine
-            pending, _ = self._absorb(statuses, need, pending, idx)
+            elif self.comm.rank in pending:
+                idx += 1
+                status["ask"] = self._ask(need, cands, idx)
+            status["unit"] = (self.owner, need)
+            statuses = self.comm.gather(status, what=f"recovery round {k} (remote attempt {attempt})")
+            raise_fatal(statuses, f"round {k} (remote attempt {attempt})")
+            pending = self._absorb(statuses)
             attempt += 1
-        return need.get(me), result
+        return need, result
+
+    def _ask(self, need: PayloadId, cands: list[Copy], idx: int) -> dict:
+        """What this rank tries next for ``need``: candidate ``idx`` and the rank that serves it (the server of
+        the node holding it; for a Tier-3 copy the leader of this rank's node), or that none is left."""
+        if idx >= len(cands):
+            tried = ", ".join(c.describe() for c in cands) or "no copy in any tier"
+            me = self.comm.rank
+            whose = f"rank {me}" if self.owner == me else f"rank {me} (for old rank {self.owner})"
+            return {"exhausted": f"{whose} cannot get {need} from any tier (tried: {tried})"}
+        copy = cands[idx]
+        return {"copy": copy, "server": self.servers[copy.source_node(self.reader.node)]}
 
     def _local_attempt(self, mine: list[Copy]) -> tuple[Any, Optional[tuple[str, int]], list, int]:
         """Try this rank's candidates on its own node, in order; returns (object, got, notes, next index)."""
@@ -176,14 +189,13 @@ class Fetcher:
                 notes.append(_note(copy, e))
         return None, None, notes, nxt
 
-    def _remote_attempt(self, pending: list[int], cands: dict[int, list[Copy]],
-                        idx: dict[int, int]) -> tuple[Any, dict]:
-        """Serve and receive the next candidate of every pending rank; returns (my object, my status)."""
+    def _remote_attempt(self, pending: list[tuple[int, dict]]) -> tuple[Any, dict]:
+        """Serve and receive the asked copy of every pending rank, in rank order; returns (my object, my
+        status)."""
         me, node = self.comm.rank, self.reader.node
         got, notes, fatal, mine = None, [], None, None
-        for r in pending:
-            copy = cands[r][idx[r]]
-            server = self.servers[copy.source_node(self.rank_nodes[r])]
+        for r, ask in pending:
+            copy, server = ask["copy"], ask["server"]
             if me not in (r, server) or fatal is not None:
                 continue
             try:
@@ -198,29 +210,21 @@ class Fetcher:
                     mine, got = self._receive(copy, server, notes)
             except Exception as e:  # a broken link or a timeout: the pairing is lost, stop transferring
                 fatal = f"transfer of {copy.pid} of rank {r} ({copy.describe()}, served by rank {server}): {e}"
-        return mine, {"got": got, "next": None, "notes": notes, "fatal": fatal}
+        return mine, {"got": got, "ask": None, "notes": notes, "fatal": fatal}
 
-    def _absorb(self, statuses: list[dict], need: dict[int, PayloadId], pending: Optional[set] = None,
-                idx: Optional[dict[int, int]] = None) -> tuple[set, dict[int, int]]:
-        """Fold a status gather into the ledger; returns the ranks still pending and their next candidate."""
-        for s in statuses:
+    def _absorb(self, statuses: list[dict]) -> dict[int, dict]:
+        """Fold a status gather into the ledger; returns what each rank still pending asks next."""
+        pending = {}
+        for r, s in enumerate(statuses):
             self.ledger.fallbacks.extend(message for _, message, _ in s["notes"])
             self.ledger.bad.update(copy for copy, _, _ in s["notes"])
             self.ledger.corrupt.update(copy for copy, _, corrupt in s["notes"] if corrupt)
-        if idx is None:
-            idx = {r: statuses[r]["next"] for r in need}
-            pending = set(need)
-        still = set()
-        for r in pending:
-            got = statuses[r]["got"]
-            if got is not None:
-                self.ledger.served[(self.owners[r], need[r])] = tuple(got)
-                self.ledger.moved[got[0]] += got[1]
-            else:
-                if statuses[r]["next"] is None:
-                    idx[r] += 1
-                still.add(r)
-        return still, idx
+            if s["got"] is not None:
+                self.ledger.served[s["unit"]] = tuple(s["got"])
+                self.ledger.moved[s["got"][0]] += s["got"][1]
+            elif s["ask"] is not None:
+                pending[r] = s["ask"]
+        return pending
 
     def _serve(self, copy: Copy, dst: int) -> list[tuple[Copy, str, bool]]:
         """Send ``copy`` to ``dst`` ("nothing" if this rank's copy is bad, with the reason in the notes)."""

@@ -1,7 +1,7 @@
 """Recovery consensus: the base V and the end E every rank can reach, and the cheapest copy of each unit.
 
 Consensus (:func:`decide`; TierCheck, arXiv:2605.17821, section 3.3), a pure function of the
-merged inventory, so every rank computes the same answer:
+merged inventory, computed on rank 0, which sends each rank its part (:mod:`.plan`):
 - V is the newest base version that *every* rank 0..world-1 has in some tier.
   The paper phrases it as a global minimum of per-rank maxima; taking the
   newest version in the intersection is the same thing when versions are
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable, Optional
 
 from megatier.checkpoint.format.chain import chain_to, reachable
@@ -64,6 +64,12 @@ class Consensus:
     def resharded(self, degrees: tuple[int, int, int]) -> bool:
         """Whether a job of layout ``degrees`` restores this point through resharding."""
         return self.degrees != tuple(degrees)
+
+    def part(self, owners: Iterable[int]) -> "Consensus":
+        """The same point with only the chains and copies of ``owners``: what a rank fetching them needs."""
+        chains = {o: self.chains[o] for o in owners if o in self.chains}
+        copies = {(o, pid): self.copies[(o, pid)] for o, chain in chains.items() for pid in chain}
+        return replace(self, chains=chains, copies=copies)
 
 
 @dataclass

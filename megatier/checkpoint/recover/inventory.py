@@ -1,14 +1,14 @@
-"""Recovery inventory: every tier's listing, gathered once, merged into one view every rank shares.
+"""Recovery inventory: every tier's listing, gathered on rank 0 and merged into one view there.
 
 Each rank lists its node-scope tiers (Tier-1 own areas, Tier-2 replica areas:
-its node's memory) and sends its share of them, and rank 0 lists the
-job-scope tier (Tier-3's committed units) and broadcasts it. :func:`merge`
-puts each node's listing back together from its ranks' shares (holdings
-belong to nodes, and global ranks may land on other nodes than in the
-previous launch; the node's lowest global rank is its *server*). Every rank
-derives the same merged :class:`Inventory` from the same exchanged data, so
-the consensus that follows needs no further messages. Each rank receives
-O(world) bytes: benchmarks/bench_control_plane.py measures it.
+its node's memory) and sends its share of them to rank 0, which lists the
+job-scope tier (Tier-3's committed units) itself. :func:`merge` puts each
+node's listing back together from its ranks' shares (holdings belong to
+nodes, and global ranks may land on other nodes than in the previous launch;
+the node's lowest global rank is its *server*). Rank 0 alone holds the merged
+:class:`Inventory` and decides for every rank (:mod:`.plan`); the others hold
+the node names and their own plan. benchmarks/bench_control_plane.py
+measures what each holds and receives.
 """
 from __future__ import annotations
 
@@ -125,14 +125,29 @@ def merge(rank_nodes: Sequence[str], shares: Sequence[dict[str, Listing]], job: 
     return inv
 
 
-def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> Inventory:
-    """Collective: settle and list what this rank should list, exchange, merge; a failure anywhere fails
-    every rank.
+@dataclass
+class Collected:
+    """What rank 0 holds after the exchange: every rank's share of its node's listings (and its failure, if
+    any) and its own listing of the job-scope tiers."""
 
-    Three exchanges, so that what each rank receives grows with the world size, not with its square: the
-    node names (a few bytes per rank), every rank's share of its node's listings (:func:`share_of`), and
-    rank 0's listing of the job-scope tier, broadcast (it holds every rank's units, and a gather would pad
-    every rank's item to its size)."""
+    rank_nodes: list[str]
+    items: list[dict]
+    job: dict[str, Listing]
+
+    def inventory(self, tiers: Sequence[Tier]) -> Inventory:
+        """The merged Inventory; RecoveryError naming every rank whose listing failed."""
+        raise_fatal(self.items, "the inventory")
+        return merge(self.rank_nodes, [it["shares"] for it in self.items], self.job, tiers)
+
+
+def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> tuple[list[str], Optional[Collected]]:
+    """Collective: settle and list what this rank should list and send it to rank 0, which decides for every
+    rank (:mod:`.plan`). Returns every rank's node, and on rank 0 what it collected (None elsewhere).
+
+    Two exchanges: the node names (a few bytes per rank, on every rank: transfers need them), then every
+    rank's share of its node's listings (:func:`share_of`) gathered on rank 0 only. Rank 0 lists the
+    job-scope tier itself. So a rank other than 0 receives O(world) bytes of node names and holds none of
+    the other ranks' listings."""
     rank_nodes = comm.gather(node, what="the recovery inventory (node names)")
     mates = [r for r, n in enumerate(rank_nodes) if n == node]
     shares: dict[str, Listing] = {}
@@ -149,10 +164,8 @@ def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> In
                 job[tier.label] = tier.list()
     except Exception as e:  # an unreadable area or an unreachable Tier-3 must stop every rank, not only this one
         fatal = f"inventory on {node} failed: {type(e).__name__}: {e}"
-    items = comm.gather({"shares": shares, "fatal": fatal}, what="the recovery inventory (node memory)")
-    raise_fatal(items, "the inventory")
-    job = comm.broadcast(job, src=0, what="the recovery inventory (remote storage)")
-    return merge(rank_nodes, [it["shares"] for it in items], job, tiers)
+    items = comm.collect({"shares": shares, "fatal": fatal}, what="the recovery inventory (node memory)")
+    return rank_nodes, (Collected(rank_nodes, items, job) if items is not None else None)
 
 
 def last_step(inv: Inventory) -> Optional[int]:

@@ -2,10 +2,11 @@
 
 Collective over every rank, in four phases:
 
-1. Inventory (:mod:`.inventory`): every tier's listing, gathered once and
-   merged the same way on every rank.
+1. Inventory (:mod:`.inventory`): every tier's listing, gathered once on rank 0
+   and merged there.
 2. Consensus (:mod:`.consensus`): base V, end E, each rank's chain of units and
-   every usable copy of each unit, derived without further messages.
+   every usable copy of each unit, decided on rank 0, which sends each rank
+   only its own part (:mod:`.plan`).
 3. Cascade (:mod:`.cascade`): one round per position in the chains; each rank
    gets its unit from the cheapest tier that has a good copy.
 4. Replay: ``load_base``, one fused ``replay`` per unit (a diff batch or a
@@ -20,7 +21,7 @@ everywhere), and the rounds start over from the new base; if none is left,
 every rank raises RecoveryError.
 
 Before the consensus, the restart-loop guard (:mod:`.loops`) reads the job's restore history from the
-inventory: a job that keeps failing right after its restores takes an older point, or stops (exit 6). The
+inventory on rank 0: a job that keeps failing right after its restores takes an older point, or stops (exit 6). The
 restore's entry is added to the history on every tier after cleanup.
 
 Then cleanup, so later saves never mix with stale units: whoever lists a tier
@@ -38,6 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Optional
 
 from megatier.checkpoint.context import CheckpointContext
@@ -45,23 +47,15 @@ from megatier.checkpoint.format.chain import replay_ends
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
 from megatier.checkpoint.recover.checkfree import rebuild
-from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
-from megatier.checkpoint.recover.inventory import Inventory, RecoveryError, last_step, raise_fatal, take_inventory
-from megatier.checkpoint.recover.loops import (
-    Fallback,
-    RestoreLoop,
-    appended,
-    newest,
-    plan,
-    stop_line,
-    trailing_loops,
-    with_failure,
-)
+from megatier.checkpoint.recover.consensus import Consensus
+from megatier.checkpoint.recover.inventory import raise_fatal, take_inventory
+from megatier.checkpoint.recover.loops import appended
+from megatier.checkpoint.recover.plan import Coordinator, RankPlan, coordinated
 from megatier.checkpoint.recover.record import recovery_record
-from megatier.checkpoint.recover.reshard import Rebuilder, assign, describe, exchange, reshard_label
+from megatier.checkpoint.recover.reshard import Rebuilder, describe, exchange, reshard_label
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.storage.store import StoreError
-from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2, TIER3
+from megatier.checkpoint.tiers.base import JOB
 from megatier.faults import CrashPoint
 
 log = logging.getLogger(__name__)
@@ -96,14 +90,14 @@ def _apply(ctx: CheckpointContext, target, pid: Optional[PayloadId], obj: Any, u
     return None
 
 
-def _rounds(ctx: CheckpointContext, fetcher: Fetcher, target, timings: list[float],
+def _rounds(ctx: CheckpointContext, fetcher: Fetcher, target, rounds: int, timings: list[float],
             fatal: Optional[str] = None) -> Optional[str]:
-    """Every round of the fetcher's current owners, applying this rank's units to ``target``; adds to
-    ``timings`` = [t_rollback, t_replay]; returns the error to report (carried into the next status gather)."""
+    """The ``rounds`` rounds of a pass, applying this rank's units to ``target``; adds to ``timings`` =
+    [t_rollback, t_replay]; returns the error to report (carried into the next status gather)."""
     consensus = fetcher.consensus
-    owner = fetcher.owners.get(ctx.rank)
-    ends = replay_ends(consensus.chains[owner], consensus.end) if owner is not None else []
-    for k in range(fetcher.rounds()):
+    chain = fetcher.chain()
+    ends = replay_ends(chain, consensus.end) if chain else []
+    for k in range(rounds):
         t = time.perf_counter()
         pid, obj = fetcher.round(k, fatal)
         fatal = _apply(ctx, target, pid, obj, ends[k] if k < len(ends) else consensus.end) or fatal
@@ -111,7 +105,7 @@ def _rounds(ctx: CheckpointContext, fetcher: Fetcher, target, timings: list[floa
     return fatal
 
 
-def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher,
+def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, plan: RankPlan,
                       timings: list[float]) -> Optional[dict]:
     """Restore this rank's shard to the consensus point: fetch and replay its own chain (a lost stage's ranks
     have none: CheckFree rebuilds them after), or (written by another layout) rebuild the old shards and
@@ -120,8 +114,8 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     fetcher.reader.degrees = consensus.degrees
     checkfree = None
     if not consensus.resharded(ctx.layout.degrees):
-        fetcher.owners = {r: r for r in consensus.chains if r not in fetcher.in_place}
-        fatal = _rounds(ctx, fetcher, shard, timings)
+        fetcher.owner = plan.passes[0] if ctx.rank not in fetcher.in_place else None
+        fatal = _rounds(ctx, fetcher, shard, plan.rounds[0], timings)
         raise_fatal(ctx.comm.gather({"fatal": fatal}, what="the end of replay"), "replay")
         if consensus.lost_stages:
             t = time.perf_counter()
@@ -131,9 +125,9 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
         what = describe(consensus, ctx.layout.degrees)
         rebuilder = Rebuilder(shard.optimizer, shard.global_batch_size, fetcher.reader.layout_of)
         fatal = None
-        for owners in assign(consensus, fetcher.rank_nodes):
-            fetcher.owners, rebuilder.current = owners, owners.get(ctx.rank)
-            fatal = _rounds(ctx, fetcher, rebuilder, timings, fatal)
+        for owner, rounds in zip(plan.passes, plan.rounds):
+            fetcher.owner, rebuilder.current = owner, owner
+            fatal = _rounds(ctx, fetcher, rebuilder, rounds, timings, fatal)
         raise_fatal(ctx.comm.gather({"fatal": fatal}, what=f"the end of replay ({what})"), f"replay ({what})")
         t = time.perf_counter()
         exchange(ctx.comm, rebuilder, shard, ctx.layout.tp_rank, ctx.layout.tp, what)
@@ -144,27 +138,32 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     return checkfree
 
 
-def _in_place(ctx: CheckpointContext, shard: ShardAccess, consensus: Consensus) -> set[int]:
+def _in_place(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, plan: RankPlan) -> set[int]:
     """The ranks whose state in memory is already at the agreed end (an in-process recovery's survivors that
-    finished step E and no more): they read and replay nothing. Never under resharding or a lost stage."""
+    finished step E and no more): they read and replay nothing, and the rounds are as many as the longest
+    chain of the others. Never under resharding or a lost stage."""
+    consensus = plan.consensus
     if consensus.resharded(ctx.layout.degrees) or consensus.lost_stages:
         return set()
-    live = ctx.comm.gather(shard.live_version, what="the survivors' steps")
-    return {r for r, v in enumerate(live) if v == consensus.end}
+    live = shard.live_version if shard.live_version is not None else -1
+    rows = ctx.comm.gather_ints([live, len(consensus.chains.get(ctx.rank, []))], what="the survivors' steps")
+    in_place = {r for r, (v, _) in enumerate(rows) if v == consensus.end}
+    plan.rounds = [max((n for r, (_, n) in enumerate(rows) if r not in in_place), default=0)]
+    return in_place
 
 
-def _listed_here(ctx: CheckpointContext, inv: Inventory) -> list:
+def _listed_here(ctx: CheckpointContext, servers: dict[str, int]) -> list:
     """The tiers this rank lists (and cleans, and keeps the restore history on): Tier-3 on rank 0, node memory
     on its node's server."""
-    return [t for t in ctx.tiers if (0 if t.scope == JOB else inv.servers[ctx.node]) == ctx.rank]
+    return [t for t in ctx.tiers if (0 if t.scope == JOB else servers[ctx.node]) == ctx.rank]
 
 
-def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> tuple[list[str], list[str]]:
+def _cleanup(ctx: CheckpointContext, servers: dict[str, int], end: int, corrupt: set) -> tuple[list[str], list[str]]:
     """Each tier's lister quarantines the units whose copies there failed their checks, and discards what could
     mix with the resumed run: units after E and leftovers. Returns (discarded, quarantined)."""
     gone: list[str] = []
     quarantined: list[str] = []
-    for tier in _listed_here(ctx, inv):
+    for tier in _listed_here(ctx, servers):
         for pid in sorted({c.pid for c in corrupt if c.tier == tier.label}):
             reasons = sorted(f"rank {c.owner}" for c in corrupt if c.tier == tier.label and c.pid == pid)
             if tier.quarantine(pid, f"{pid} failed its checksum at restore ({', '.join(reasons)})") is not None:
@@ -173,98 +172,69 @@ def _cleanup(ctx: CheckpointContext, inv: Inventory, end: int, corrupt: set) -> 
     return gone, quarantined
 
 
-def _agree(ctx: CheckpointContext, inv: Inventory, bad: set, allow_fresh_start: bool,
-           fallback: Fallback = Fallback()) -> Optional[Consensus]:
-    config = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, tuple(ctx.cfg.allow_changes),
-                         ctx.followed)
-    return decide([c for c in fallback.usable(inv.copies) if c not in bad], job_id=ctx.job_id,
-                  degrees=ctx.layout.degrees, traces=inv.traces, allow_fresh_start=allow_fresh_start and
-                  not fallback.level, looked=inv.looked(), config=config, last_resort=ctx.cfg.last_resort)
-
-
-def _reached(inv: Inventory) -> Optional[int]:
-    """The newest step the job reached before this restore: the progress keys, or the newest unit anywhere (a
-    launch that died before its first step left no progress key). None when no node memory survived: a rack
-    failure takes the progress keys with it, and Tier-3's units alone would make a launch that trained on look
-    like one that failed at once (a loop)."""
-    if last_step(inv) is None and not inv.has_copies(TIER1):
-        return None
-    steps = [s for s in (last_step(inv), max((c.pid.last for c in inv.copies), default=None)) if s is not None]
-    return max(steps, default=None)
-
-
-def _guarded_agree(ctx: CheckpointContext, inv: Inventory, history: list[dict],
-                   allow_fresh_start: bool) -> tuple[Optional[Consensus], Fallback]:
-    """The consensus at the point the restart-loop guard allows (:mod:`.loops`); RestoreLoop when none is left."""
-    rule = ctx.reliability
-    fallback = plan(history, rule.loop_window, rule.loop_limit)
-    if not fallback.level:
-        return _agree(ctx, inv, set(), allow_fresh_start), fallback
-    loops = trailing_loops(history, rule.loop_window)
-    try:
-        consensus = _agree(ctx, inv, set(), False, fallback)
-    except RecoveryError as e:
-        raise RestoreLoop(stop_line(loops, rule.loop_window, rule.loop_limit,
-                                    f"{fallback.describe()} is not complete in any tier ({e})")) from None
-    if ctx.rank == 0:
-        log.warning("restore loop: the job failed within reliability.loop_window=%d steps of its last %d restores "
-                    "(at step %d each time); restoring %s: v%d on its own, the steps after it are trained again",
-                    rule.loop_window, len(loops), loops[-1]["reached"], fallback.describe(), consensus.version)
-    return consensus, fallback
-
-
-def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, inv: Inventory,
-                           timings: list[float], fallback: Fallback) -> Optional[dict]:
-    """Fetch and replay; when a rank runs out of good copies, agree again without the bad ones (a stage whose
-    every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record, if any."""
+def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, plan: RankPlan,
+                           coordinator: Optional[Coordinator], timings: list[float]) -> Optional[dict]:
+    """Fetch and replay; when a rank runs out of good copies, rank 0 agrees again without the bad ones (a stage
+    whose every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record."""
     while True:
         try:
-            return _fetch_and_replay(ctx, shard, fetcher, timings)
+            return _fetch_and_replay(ctx, shard, fetcher, plan, timings)
         except Exhausted as e:
-            if ctx.rank == 0:
-                log.warning("%s; taking the consensus again without the %d bad copies", e, len(fetcher.ledger.bad))
-            try:  # never a fresh start here: the shard is already partly overwritten
-                fetcher.consensus = _agree(ctx, inv, fetcher.ledger.bad, False, fallback)
-            except RecoveryError as again:
-                raise RecoveryError(f"{e}, and without the bad copies: {again}; bad copies: "
-                                    f"{fetcher.ledger.fallbacks}") from None
-            fetcher.ledger.served.clear()
+            ledger = fetcher.ledger
+            decide_again = partial(coordinator.again, ledger.bad, str(e), ledger.fallbacks) if coordinator else None
+            again = coordinated(ctx.comm, decide_again, "the recovery plan without the bad copies")
+            plan.consensus, plan.passes, plan.rounds = again.consensus, again.passes, again.rounds
+            fetcher.consensus = again.consensus
+            ledger.served.clear()
             fetcher.in_place = set()  # the end may have moved: every rank restores from the copies
 
 
 def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bool) -> Optional[RecoveryResult]:
     """Recover the newest state every rank can reach, or None for a fresh start; collective over all ranks."""
     t0 = time.perf_counter()
-    inv = take_inventory(ctx.comm, ctx.tiers, ctx.node)
+    rank_nodes, collected = take_inventory(ctx.comm, ctx.tiers, ctx.node)
     t_inventory = time.perf_counter() - t0
-    history = with_failure(newest(inv.histories), _reached(inv))
-    consensus, fallback = _guarded_agree(ctx, inv, history, allow_fresh_start)
-    if consensus is None:
-        if ctx.rank == 0:
-            log.info("no checkpoint of job %r to recover; starting fresh (looked in %s)", ctx.job_id, inv.looked())
+    coordinator = Coordinator(ctx, collected) if collected is not None else None
+    plan = coordinated(ctx.comm, partial(coordinator.first, allow_fresh_start) if coordinator else None,
+                       "the recovery plan")
+    if plan.consensus is None:
         return None
     t_consensus = time.perf_counter() - t0
-    reader = Reader(ctx.node, ctx.job_id, consensus.degrees, {t.label: t for t in ctx.tiers})
-    fetcher = Fetcher(ctx.comm, reader, consensus, inv)
-    fetcher.in_place = _in_place(ctx, shard, consensus)
-    fetcher.ledger.fallbacks.extend(inv.notes)
+    reader = Reader(ctx.node, ctx.job_id, plan.consensus.degrees, {t.label: t for t in ctx.tiers})
+    fetcher = Fetcher(ctx.comm, reader, plan.consensus, rank_nodes)
+    fetcher.in_place = _in_place(ctx, shard, fetcher, plan)
+    fetcher.ledger.fallbacks.extend(plan.notes)
     timings = [0.0, 0.0]
-    checkfree = _replay_with_fallbacks(ctx, shard, fetcher, inv, timings, fallback)
+    checkfree = _replay_with_fallbacks(ctx, shard, fetcher, plan, coordinator, timings)
     consensus = fetcher.consensus
     try:
-        (deleted, quarantined), fatal = _cleanup(ctx, inv, consensus.end, fetcher.ledger.corrupt), None
+        (deleted, quarantined), fatal = _cleanup(ctx, fetcher.servers, consensus.end, fetcher.ledger.corrupt), None
     except (StoreError, OSError) as e:
         deleted, quarantined = [], []
         fatal = f"cleanup after recovery failed: {e}; stale units could mix with the resumed run"
+    ledger = fetcher.ledger
+    durable = coordinator.durable(consensus.version, ledger.bad) if coordinator is not None else None
     final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "inventory_s": t_inventory,
-                             "deleted": deleted, "quarantined": quarantined}, what="the recovery cleanup")
+                             "deleted": deleted, "quarantined": quarantined, "durable": durable},
+                            what="the recovery cleanup")
     raise_fatal(final, "cleanup")
+    record = _record(ctx, consensus, fetcher, plan, final, checkfree)
+    history = appended(plan.history, version=consensus.version, end=consensus.end, level=plan.fallback.level)
+    keepers = _listed_here(ctx, fetcher.servers)
+    for tier in keepers:
+        tier.record_restores(history)
+    return RecoveryResult(consensus.version, consensus.end, record, plan.adopted, history, keepers,
+                          final[0]["durable"])
+
+
+def _record(ctx: CheckpointContext, consensus: Consensus, fetcher: Fetcher, plan: RankPlan, final: list[dict],
+            checkfree: Optional[dict]) -> dict:
+    """The recovery record every rank builds from the same gathered facts; rank 0 logs its line."""
     ledger = fetcher.ledger
     record = recovery_record(consensus, ledger.served, ledger.moved, ledger.fallbacks,
                              times=[f["times"] for f in final], stale_removed=sum(len(f["deleted"]) for f in final),
-                             tier1_present=inv.has_copies(TIER1) or inv.has_copies(TIER2),
-                             last_step=last_step(inv), rank_nodes=inv.rank_nodes,
-                             inventory_s=max(f["inventory_s"] for f in final))
+                             tier1_present=plan.tier1_present, last_step=plan.last_step,
+                             rank_nodes=fetcher.rank_nodes, inventory_s=max(f["inventory_s"] for f in final))
     record["quarantined"] = sorted({q for f in final for q in f["quarantined"]})
     record["ranks_in_place"] = sorted(fetcher.in_place)
     record["checkfree"] = checkfree
@@ -273,19 +243,11 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     record["exact"] = checkfree is None  # a rebuilt stage is not the state the run had
     resharded = consensus.resharded(ctx.layout.degrees)
     record["resharded"] = reshard_label(consensus.degrees, ctx.layout.degrees) if resharded else None
+    record["adopted"] = plan.adopted
+    record["fallback"] = plan.fallback.describe() if plan.fallback.level else None
     if ctx.rank == 0:
         log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed%s%s", record["version"],
                  record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),
                  record["stale_units_removed"], f"; resharded {record['resharded']}" if resharded else "",
                  f"; CheckFree rebuilt stage(s) {checkfree['stages']} (NOT exact)" if checkfree else "")
-    adopted = ConfigCheck(ctx.fingerprint_id, ctx.fingerprint, inv.fingerprints, follow=ctx.followed
-                          ).followed_values(consensus)
-    record["adopted"] = adopted
-    record["fallback"] = fallback.describe() if fallback.level else None
-    history = appended(history, version=consensus.version, end=consensus.end, level=fallback.level)
-    keepers = _listed_here(ctx, inv)
-    for tier in keepers:
-        tier.record_restores(history)
-    durable = max((c.pid.version for c in inv.copies if c.tier == TIER3 and c.pid.kind == BASE
-                   and c.pid.version <= consensus.version and c not in ledger.bad), default=None)
-    return RecoveryResult(consensus.version, consensus.end, record, adopted, history, keepers, durable)
+    return record

@@ -63,3 +63,18 @@ def test_an_async_gather_does_not_wait_for_late_ranks_and_names_absent_ones(tmp_
     assert results[0]["started_s"] < 0.5 and results[2]["started_s"] < 0.5, results
     for res in results[:2]:
         assert "the watermark sync after step 10" in res["error"] and "ranks [2] never reached it" in res["error"]
+
+
+def _to_and_from_rank0(rank: int) -> dict:
+    group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=10), backend="gloo")
+    comm = GroupComm(group, group, timeout_s=10)
+    collected = comm.collect({"rank": rank, "pad": "x" * (100 * rank)}, what="the recovery inventory")
+    plans = [f"plan of rank {r}" for r in range(3)] if rank == 0 else None
+    return {"collected": collected, "plan": comm.scatter(plans, what="the recovery plan")}
+
+
+def test_rank0_collects_every_item_and_each_rank_receives_only_its_own(tmp_path):
+    results = run_world(_to_and_from_rank0, 3, tmp_path, timeout_s=30)
+    assert [item["rank"] for item in results[0]["collected"]] == [0, 1, 2]
+    assert results[1]["collected"] is None and results[2]["collected"] is None
+    assert [res["plan"] for res in results] == ["plan of rank 0", "plan of rank 1", "plan of rank 2"]

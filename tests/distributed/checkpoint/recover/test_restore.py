@@ -32,6 +32,7 @@ from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.records import DoneMarker, list_units, marker_key, object_key
 from megatier.checkpoint.context import build_context
 from megatier.checkpoint.format.payload import DiffStep, encode_base, encode_diff_batch
+from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.restore import restore
 from megatier.checkpoint.shard import ShardAccess
@@ -176,6 +177,11 @@ def _fail(kind: str, root: Path) -> None:
         # Every copy of rank 3's last batch (Tier-3 never committed it): E must fall back to 10.
         _flip(t1 / "node1" / "own" / "rank00003" / "diff" / "v00000011-00000012.safetensors")
         _flip(t1 / "node0" / "replica" / "rank00003" / "diff" / "v00000011-00000012.safetensors")
+    elif kind == "exhausted":  # every copy of rank 2's newest base, Tier-3's too: rank 0 decides again
+        _flip(t1 / "node1" / "own" / "rank00002" / "base" / "v00000008.safetensors")
+        _flip(t1 / "node0" / "replica" / "rank00002" / "base" / "v00000008.safetensors")
+        for path in (root / "t3" / JOB).glob(f"**/{PayloadId.base(8).dirname}/rank00002.*.safetensors"):
+            _flip(path)
     # An interrupted Tier-1 write (data, no stamp) that cleanup must sweep.
     if (t1 / "node0").is_dir():
         (t1 / "node0" / "own" / "rank00000" / "diff").mkdir(parents=True, exist_ok=True)
@@ -221,7 +227,7 @@ def _guarded(fn, *args) -> dict:
 def _all(rank: int, root: Path) -> dict:
     """Every scenario, one after another in one world (spawning a world costs more than all of them)."""
     ps = _world(rank)
-    kinds = ("software", "node", "rack", "corrupt", "remap")
+    kinds = ("software", "node", "rack", "corrupt", "exhausted", "remap")
     out = {kind: _guarded(_scenario, rank, root / kind, kind, ps) for kind in kinds}
     out["missing"] = _guarded(_empty_then_missing, rank, root / "missing", ps)
     out["foreign"] = _guarded(_foreign, rank, root / "foreign", ps)  # last: it builds a second layout
@@ -319,6 +325,15 @@ def test_corrupt_copies_fall_through_and_are_reported(world):
     assert sum("rank 3 diff v11-12" in f for f in fallbacks) == 2
     assert "diff v11-12" not in results[0]["t3"]
     assert all("xxh64" in f for f in fallbacks)
+
+
+def test_a_rank_out_of_copies_has_every_rank_restore_the_older_base_and_its_chain(world):
+    # Rank 2 finds every copy of base v8 bad (its node, its ring peer's, Tier-3): rank 0 takes the consensus
+    # again without them and sends every rank its new plan; all replay from v0 to the same end, bit for bit.
+    results = world("exhausted")
+    record = _check_common(results, 0, 12)
+    assert record["source_tiers"] == {"tier1": 4, "tier2": 0, "tier3": 0}
+    assert sum("rank 2 base v8" in f and "xxh64" in f for f in record["fallbacks"]) == 3, record["fallbacks"]
 
 
 def test_ranks_on_other_nodes_find_their_units_by_node(world):
