@@ -26,6 +26,8 @@ Figures:
              (the node names and its plan: the scatter pads every plan to the
              largest), what it holds (its plan), its CPU to unpickle its plan
              and plan its rounds (Fetcher.plan)
+  every      what every rank holds whatever the world: the node names and
+             where each rank's units came from (the record's)
   status     the status gathers of the cascade's rounds (bytes per rank)
   before     what every rank received when each derived the consensus itself
              (an all-gather of the shares and a broadcast of Tier-3's listing)
@@ -60,6 +62,7 @@ from megatier.checkpoint.recover.cascade import Fetcher
 from megatier.checkpoint.recover.consensus import cascade, decide
 from megatier.checkpoint.recover.inventory import Inventory, merge, share_of
 from megatier.checkpoint.recover.plan import RankPlan, cut
+from megatier.checkpoint.recover.record import Sources
 from megatier.checkpoint.tiers.base import JOB, NODE, TIER1, TIER2, TIER3, Copy, Listing
 from megatier.parallel.assignment import Member
 from megatier.parallel.layout import Layout, coordinates_of
@@ -186,17 +189,23 @@ def run(world: World) -> dict:
                       rank_nodes)
     fetcher.owner = mine.passes[0]
     own, own_s = cpu(lambda: [fetcher.plan(k) for k in range(mine.rounds[0])])
-    remote = [k for r, chain in consensus.chains.items() for k, pid in enumerate(chain)
-              if cascade(consensus.copies[(r, pid)], rank_nodes[r])[0].node != rank_nodes[r]]
+    remote, sources = [], Sources()  # the transfers; where each rank's units come from, as every rank folds it
+    for r, chain in consensus.chains.items():
+        for k, pid in enumerate(chain):
+            first = cascade(consensus.copies[(r, pid)], rank_nodes[r])[0]
+            sources.add(r, k == 0, first.reach(rank_nodes[r]))
+            if first.node != rank_nodes[r]:
+                remote.append(k)
     attempts = len(set(remote))  # a round in which some rank's first copy is on another node: one remote attempt
-    status = len(pickle.dumps({"got": None, "unit": (other, own[0][0]), "ask": {"copy": own[0][1][0], "server": 8},
-                               "notes": [], "fatal": None}))
+    status = max(len(pickle.dumps({"got": (TIER2, 1 << 20, other, True), "notes": [], "fatal": None})),
+                 len(pickle.dumps({"got": None, "notes": [], "fatal": None, "ask": 8})))
     gathers = mine.rounds[0] + attempts  # a round's local status, and one remote attempt
     plan_bytes = padded([len(b) for b in blobs])
     row["cpu_s"].update(consensus=decide_s, plans=cut_s + pickle_s, other=unpickle_s + own_s)
     return {"ranks": world.ranks, "nodes": world.nodes, "dp": world.dp, "copies": len(inv.copies),
             "version": consensus.version, "end": consensus.end, "rounds": mine.rounds[0], "transfers": len(remote),
             "rank0_holds": len(pickle.dumps(inv)) + sum(len(b) for b in blobs), "other_holds": len(blobs[other]),
+            "every_holds": len(pickle.dumps(rank_nodes)) + len(pickle.dumps(sources)),
             "other_receives": row["names_bytes"] + plan_bytes // world.ranks, "rank0_sends": plan_bytes,
             "status_bytes": gathers * world.ranks * status, **row,
             **(membership_round(world) if world.lost >= 0 else {})}
@@ -223,6 +232,7 @@ def table(rows: list[dict]) -> str:
             ("other rank receives MiB", lambda r: r["other_receives"], mib),
             ("other rank holds KiB", lambda r: r["other_holds"], lambda v: f"{v / 1024:,.1f}"),
             ("other rank CPU ms", lambda r: 1000 * r["cpu_s"]["other"], lambda v: f"{v:.2f}"),
+            ("every rank holds MiB", lambda r: r["every_holds"], mib),
             ("status MiB/rank", lambda r: r["status_bytes"], mib),
             ("before: every rank received MiB", lambda r: r["old_receives"], mib)]
     cols += [("round: decision MiB/rank", lambda r: r["round_decision_bytes"], mib),

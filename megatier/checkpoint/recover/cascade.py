@@ -28,6 +28,7 @@ again without the copies found bad.
 from __future__ import annotations
 
 import logging
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -42,6 +43,7 @@ from megatier.checkpoint.format.payload import (
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.consensus import Consensus, cascade
 from megatier.checkpoint.recover.inventory import RecoveryError, node_servers, raise_fatal
+from megatier.checkpoint.recover.record import Sources
 from megatier.checkpoint.storage.store import StoreError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy, Tier
 from megatier.parallel.layout import Layout, coordinates_of
@@ -59,7 +61,7 @@ class Exhausted(RecoveryError):
 class Ledger:
     """What every rank knows after each status gather: who got which unit from which tier, and fallbacks."""
 
-    served: dict[tuple[int, PayloadId], tuple[str, int]] = field(default_factory=dict)  # -> (tier, bytes)
+    served: Sources = field(default_factory=Sources)  # where each rank's units came from (the record's)
     fallbacks: list[str] = field(default_factory=list)
     bad: set[Copy] = field(default_factory=set)
     corrupt: set[Copy] = field(default_factory=set)  # bad copies whose bytes failed their check (not a read error)
@@ -142,23 +144,23 @@ class Fetcher:
         """Fetch unit ``k`` of every owner's chain; returns this rank's (unit, decoded object) or (None, None)."""
         need, cands = self.plan(k)
         result, got, notes, idx = self._local_attempt(cands)
-        ask = self._ask(need, cands, idx) if need is not None and got is None else None
-        statuses = self.comm.gather({"got": got, "unit": (self.owner, need), "ask": ask, "notes": notes,
-                                     "fatal": carried_fatal}, what=f"recovery round {k} (local copies)")
+        status = {"got": got, "notes": notes, "fatal": carried_fatal}
+        if need is not None and got is None:
+            status.update(self._ask(need, cands, idx))
+        statuses = self.comm.gather(status, what=f"recovery round {k} (local copies)")
         raise_fatal(statuses, f"round {k} (local copies)")
         pending = self._absorb(statuses)
         attempt = 0
         while pending:
-            for _, ask in sorted(pending.items()):
-                if "exhausted" in ask:
-                    raise Exhausted(ask["exhausted"])
-            mine, status = self._remote_attempt(sorted(pending.items()))
+            out = [s["exhausted"] for s in statuses if s.get("exhausted")]
+            if out:
+                raise Exhausted(out[0])
+            mine, status = self._remote_attempt(sorted(pending.items()), cands[idx] if idx < len(cands) else None)
             if mine is not None:
                 result = mine
             elif self.comm.rank in pending:
                 idx += 1
-                status["ask"] = self._ask(need, cands, idx)
-            status["unit"] = (self.owner, need)
+                status.update(self._ask(need, cands, idx))
             statuses = self.comm.gather(status, what=f"recovery round {k} (remote attempt {attempt})")
             raise_fatal(statuses, f"round {k} (remote attempt {attempt})")
             pending = self._absorb(statuses)
@@ -166,17 +168,22 @@ class Fetcher:
         return need, result
 
     def _ask(self, need: PayloadId, cands: list[Copy], idx: int) -> dict:
-        """What this rank tries next for ``need``: candidate ``idx`` and the rank that serves it (the server of
-        the node holding it; for a Tier-3 copy the leader of this rank's node), or that none is left."""
-        if idx >= len(cands):
-            tried = ", ".join(c.describe() for c in cands) or "no copy in any tier"
-            me = self.comm.rank
-            whose = f"rank {me}" if self.owner == me else f"rank {me} (for old rank {self.owner})"
-            return {"exhausted": f"{whose} cannot get {need} from any tier (tried: {tried})"}
-        copy = cands[idx]
-        return {"copy": copy, "server": self.servers[copy.source_node(self.reader.node)]}
+        """What this rank's status says it tries next for ``need``: the rank serving candidate ``idx`` (the
+        server of the node holding it; for a Tier-3 copy the leader of this rank's node), or that none is left.
+        Only the server: the copy itself goes to it point to point (a gather pads every status to the
+        largest)."""
+        if idx < len(cands):
+            return {"ask": self.servers[cands[idx].source_node(self.reader.node)]}
+        tried = ", ".join(c.describe() for c in cands) or "no copy in any tier"
+        me = self.comm.rank
+        whose = f"rank {me}" if self.owner == me else f"rank {me} (for old rank {self.owner})"
+        return {"ask": -1, "exhausted": f"{whose} cannot get {need} from any tier (tried: {tried})"}
 
-    def _local_attempt(self, mine: list[Copy]) -> tuple[Any, Optional[tuple[str, int]], list, int]:
+    def _got(self, copy: Copy, size: int) -> tuple[str, int, Optional[int], bool]:
+        """A status's ``got``: the tier as this rank reaches it, the bytes, whose unit, whether it is a base."""
+        return copy.reach(self.reader.node), size, self.owner, copy.pid.kind == BASE
+
+    def _local_attempt(self, mine: list[Copy]) -> tuple[Any, Optional[tuple], list, int]:
         """Try this rank's candidates on its own node, in order; returns (object, got, notes, next index)."""
         notes, nxt = [], 0
         for i, copy in enumerate(mine):
@@ -184,45 +191,47 @@ class Fetcher:
                 break
             nxt = i + 1
             try:
-                return self.reader.load(copy), (copy.reach(self.reader.node), copy.stamp.size), notes, nxt
+                return self.reader.load(copy), self._got(copy, copy.stamp.size), notes, nxt
             except LOAD_ERRORS as e:
                 notes.append(_note(copy, e))
         return None, None, notes, nxt
 
-    def _remote_attempt(self, pending: list[tuple[int, dict]]) -> tuple[Any, dict]:
-        """Serve and receive the asked copy of every pending rank, in rank order; returns (my object, my
-        status)."""
-        me, node = self.comm.rank, self.reader.node
+    def _remote_attempt(self, pending: list[tuple[int, int]], asked: Optional[Copy]) -> tuple[Any, dict]:
+        """Serve and receive the asked copy of every pending rank (rank, its server), in rank order; ``asked``
+        is this rank's. Returns (my object, my status)."""
+        me = self.comm.rank
         got, notes, fatal, mine = None, [], None, None
-        for r, ask in pending:
-            copy, server = ask["copy"], ask["server"]
+        for r, server in pending:
             if me not in (r, server) or fatal is not None:
                 continue
             try:
                 if me == server == r:
                     try:
-                        mine, got = self.reader.load(copy), (copy.reach(node), copy.stamp.size)
+                        mine, got = self.reader.load(asked), self._got(asked, asked.stamp.size)
                     except LOAD_ERRORS as e:
-                        notes.append(_note(copy, e))
+                        notes.append(_note(asked, e))
                 elif me == server:
-                    notes.extend(self._serve(copy, r))
+                    notes.extend(self._serve(pickle.loads(self.comm.recv(r)), r))
                 else:
-                    mine, got = self._receive(copy, server, notes)
+                    self.comm.send(pickle.dumps(asked), server)
+                    mine, got = self._receive(asked, server, notes)
             except Exception as e:  # a broken link or a timeout: the pairing is lost, stop transferring
-                fatal = f"transfer of {copy.pid} of rank {r} ({copy.describe()}, served by rank {server}): {e}"
-        return mine, {"got": got, "ask": None, "notes": notes, "fatal": fatal}
+                what = f"{asked.pid} of rank {r} ({asked.describe()})" if me == r else f"the copy rank {r} asked for"
+                fatal = f"transfer of {what}, served by rank {server}: {e}"
+        return mine, {"got": got, "notes": notes, "fatal": fatal}
 
-    def _absorb(self, statuses: list[dict]) -> dict[int, dict]:
-        """Fold a status gather into the ledger; returns what each rank still pending asks next."""
+    def _absorb(self, statuses: list[dict]) -> dict[int, int]:
+        """Fold a status gather into the ledger; returns the ranks still pending and the rank serving each."""
         pending = {}
         for r, s in enumerate(statuses):
             self.ledger.fallbacks.extend(message for _, message, _ in s["notes"])
             self.ledger.bad.update(copy for copy, _, _ in s["notes"])
             self.ledger.corrupt.update(copy for copy, _, corrupt in s["notes"] if corrupt)
             if s["got"] is not None:
-                self.ledger.served[s["unit"]] = tuple(s["got"])
-                self.ledger.moved[s["got"][0]] += s["got"][1]
-            elif s["ask"] is not None:
+                tier, size, owner, base = s["got"]
+                self.ledger.served.add(owner, base, tier)
+                self.ledger.moved[tier] += size
+            elif s.get("ask") is not None:
                 pending[r] = s["ask"]
         return pending
 
@@ -241,7 +250,7 @@ class Fetcher:
             return None, None  # the server reported why in its own notes
         source = f"{copy.describe()} (served by rank {server})"
         try:
-            return self.reader.decode(data, copy, source), (copy.reach(self.reader.node), len(data))
+            return self.reader.decode(data, copy, source), self._got(copy, len(data))
         except LOAD_ERRORS as e:
             notes.append(_note(copy, e))
             return None, None

@@ -1,29 +1,60 @@
 """The recovery record: what restore did, for metrics.jsonl, wandb and the failure drill's report."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional
 
-from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.consensus import Consensus
-from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
+from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, TIER_ORDER
 
 
-def failure_class(served: dict[tuple[int, PayloadId], tuple[str, int]], tier1_present: bool) -> str:
-    """Inferred from where the units came from: all from the ranks' own nodes -> software; some from other
-    nodes' memory and none from Tier-3 -> node; any from Tier-3 -> rack without any Tier-1 data, else mixed."""
-    tiers = {tier for tier, _ in served.values()}
-    if tiers <= {TIER1}:
+@dataclass
+class Sources:
+    """Where each old rank's units came from, folded in as the status gathers bring them: the tiers of each
+    rank's units (a bit per tier) and the tier of its base. That is all the record reads, so every rank keeps
+    a few bytes per rank of the world rather than an entry per unit."""
+
+    tiers: dict[int, int] = field(default_factory=dict)  # rank -> bit i set: a unit came from TIER_ORDER[i]
+    base: dict[int, str] = field(default_factory=dict)  # rank -> the tier its base came from
+
+    def add(self, rank: int, base: bool, tier: str) -> None:
+        """Rank ``rank``'s unit (its base when ``base``) came from ``tier``."""
+        self.tiers[rank] = self.tiers.get(rank, 0) | 1 << TIER_ORDER.index(tier)
+        if base:
+            self.base[rank] = tier
+
+    def clear(self) -> None:
+        self.tiers.clear()
+        self.base.clear()
+
+    def of(self, rank: int) -> list[str]:
+        """The tiers rank ``rank``'s units came from, in tier order."""
+        mask = self.tiers.get(rank, 0)
+        return [t for i, t in enumerate(TIER_ORDER) if mask >> i & 1]
+
+    def used(self) -> set[str]:
+        mask = 0
+        for m in self.tiers.values():
+            mask |= m
+        return {t for i, t in enumerate(TIER_ORDER) if mask >> i & 1}
+
+
+def failure_class(used: set[str], tier1_present: bool) -> str:
+    """Inferred from the tiers the units came from (``used``): all from the ranks' own nodes -> software; some
+    from other nodes' memory and none from Tier-3 -> node; any from Tier-3 -> rack without any Tier-1 data, else
+    mixed."""
+    if used <= {TIER1}:
         return "software"
-    if TIER3 not in tiers:
+    if TIER3 not in used:
         return "node"
     return "mixed" if tier1_present else "rack"
 
 
-def recovery_record(consensus: Consensus, served: dict[tuple[int, PayloadId], tuple[str, int]],
-                    moved: dict[str, int], fallbacks: list[str], *, times: list[tuple[float, float, float]],
-                    stale_removed: int, tier1_present: bool, last_step: Optional[int],
+def recovery_record(consensus: Consensus, sources: Sources, moved: dict[str, int], fallbacks: list[str], *,
+                    times: list[tuple[float, float, float]], stale_removed: int, tier1_present: bool,
+                    last_step: Optional[int],
                     rank_nodes: Optional[list[str]] = None, inventory_s: float = 0.0) -> dict:
-    """The metrics record of a recovery; ``served[(rank, unit)] = (tier, bytes)`` of the pass that succeeded,
+    """The metrics record of a recovery; ``sources`` where the units of the pass that succeeded came from,
     ``moved`` the verified bytes per tier over all passes, ``times`` each rank's (consensus, rollback, replay):
     the record reports the slowest rank, since the job resumes when the last rank does.
     ``source_tiers`` counts ranks by where their base came from; ``rank_tiers[r]`` lists every tier
@@ -31,16 +62,13 @@ def recovery_record(consensus: Consensus, served: dict[tuple[int, PayloadId], tu
     ``inventory_s`` (the slowest rank's) is the part of ``t_consensus_s`` spent listing the tiers and exchanging
     the inventory: it grows with what the tiers hold, the rest with the world size."""
     source_tiers = {TIER1: 0, TIER2: 0, TIER3: 0}
-    per_rank: dict[int, set[str]] = {}
-    for (rank, pid), (tier, _) in served.items():
-        per_rank.setdefault(rank, set()).add(tier)
-        if pid == PayloadId.base(consensus.version):
-            source_tiers[tier] += 1
+    for tier in sources.base.values():
+        source_tiers[tier] += 1
     return {
         "event": "recovery",
-        "failure_class": failure_class(served, tier1_present),
+        "failure_class": failure_class(sources.used(), tier1_present),
         "source_tiers": source_tiers,
-        "rank_tiers": [sorted(per_rank.get(r, ())) for r in range(max(per_rank, default=-1) + 1)],
+        "rank_tiers": [sorted(sources.of(r)) for r in range(max(sources.tiers, default=-1) + 1)],
         "rank_nodes": list(rank_nodes) if rank_nodes is not None else None,
         "version": consensus.version,
         "end": consensus.end,

@@ -12,7 +12,7 @@ from megatier.checkpoint.format.payload import BaseState, Stamp, encode_base
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.recover.consensus import ConfigCheck, cascade, decide
 from megatier.checkpoint.recover.inventory import RecoveryError
-from megatier.checkpoint.recover.record import failure_class, recovery_record
+from megatier.checkpoint.recover.record import Sources, failure_class, recovery_record
 from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, Copy
 from megatier.checkpoint.tiers.local import LocalTier, list_area
@@ -216,13 +216,15 @@ def test_listings_feed_the_consensus(tmp_path):
 
 
 def test_failure_class_and_record():
-    one = {(0, B(8)): (TIER1, 10), (1, B(8)): (TIER1, 10)}
-    assert failure_class(one, True) == "software"
-    assert failure_class({**one, (1, D(9, 10)): (TIER2, 5)}, True) == "node"
-    assert failure_class({(0, B(8)): (TIER3, 10)}, False) == "rack"
-    assert failure_class({**one, (1, D(9, 10)): (TIER3, 5)}, True) == "mixed"
+    assert failure_class({TIER1}, True) == "software"
+    assert failure_class({TIER1, TIER2}, True) == "node"
+    assert failure_class({TIER3}, False) == "rack"
+    assert failure_class({TIER1, TIER3}, True) == "mixed"
     c = run(copies([0, 1], [B(8), D(9, 10)]))
-    served = {(0, B(8)): (TIER1, 10), (1, B(8)): (TIER3, 12), (0, D(9, 10)): (TIER1, 3), (1, D(9, 10)): (TIER2, 3)}
+    served = Sources()
+    for rank, pid, tier in [(0, B(8), TIER1), (1, B(8), TIER3), (0, D(9, 10), TIER1), (1, D(9, 10), TIER2)]:
+        served.add(rank, pid.kind == "base", tier)
+    assert served.of(1) == [TIER2, TIER3] and served.used() == {TIER1, TIER2, TIER3}
     rec = recovery_record(c, served, {TIER1: 13, TIER2: 3, TIER3: 12}, ["x"], times=[(1, 2, 3), (4, 0, 1)],
                           stale_removed=2, tier1_present=True, last_step=13, rank_nodes=["n0", "n1"])
     assert rec["rank_tiers"] == [[TIER1], [TIER2, TIER3]] and rec["rank_nodes"] == ["n0", "n1"]
