@@ -234,6 +234,7 @@ class GoodputLedger:
             p = None
         if p is not None and start_step == 0 and (p.closed or p.fingerprint != self.fingerprint):
             p = None  # a new run of this job from scratch
+        inplace = False  # a spare that took rank 0's place in the same launch
         if p is None:
             self.state = LedgerState(self.job_id, self.fingerprint, mark=self.started)
         else:
@@ -243,13 +244,14 @@ class GoodputLedger:
             else:
                 p.restarts += 1  # the gap since its last update is restart, accounted at the first step
                 if recovery is not None:
-                    inplace = detected_at is not None  # a spare that took a lost rank (and rank 0's ledger)
+                    inplace = detected_at is not None
                     self.timeline = RecoveryTimeline(p.mark, detected_at if inplace else self.process_started,
                                                      self.clock(), _recovery_seconds(recovery),
                                                      max(0, p.last_step - start_step),
                                                      mode="inprocess" if inplace else "relaunch")
             p.fingerprint, p.closed = self.fingerprint, False
-        self.state.launches += 1
+        if not inplace:
+            self.state.launches += 1
         self._reconcile(start_step)
         self._pending_restore = _recovery_seconds(recovery)
 

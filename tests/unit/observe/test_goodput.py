@@ -264,6 +264,21 @@ def test_an_in_place_recovery_is_timed_from_the_last_update_and_its_gap_is_resta
     assert fields["goodput_steps_lost"] == 1
 
 
+def test_a_new_rank_0_in_place_continues_the_launch_it_joins(tmp_path):
+    clock = Clock()
+    ledger = _open(tmp_path, clock)
+    ledger.resume(0)
+    before = _train(ledger, clock, range(1, 6))
+    detected = clock.t = clock.t + 0.05  # rank 0 died; a spare (or a survivor) takes its rank and its ledger
+    clock.t += 0.4
+    heir = _open(tmp_path, clock)
+    heir.resume(4, {"event": "recovery", "end": 4, "t_consensus_s": 0.1}, detected_at=detected)
+    fields = _train(heir, clock, [5])
+    assert fields["recovery_mode"] == "inprocess"
+    assert heir.state.launches == ledger.state.launches == 1  # the same launch goes on
+    assert fields["goodput_restarts"] == before["goodput_restarts"] + 1
+
+
 def test_a_continuation_after_a_clean_exit_times_no_recovery(tmp_path):
     clock = Clock()
     ledger = _open(tmp_path, clock)
