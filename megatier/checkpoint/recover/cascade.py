@@ -6,19 +6,20 @@ most one unit per rank is held in memory. A round (:meth:`Fetcher.round`):
 - local attempt: each rank tries the copies in its own node's memory (own
   area, then replica area), verifying checksum and identity (decoding with
   this job and layout); then one status gather tells everyone who is done, and
-  for each rank that is not, the copy it tries next and the rank that serves
-  it. Only the rank itself knows its candidates (:mod:`.plan`);
+  for each rank that is not, which rank serves the copy it tries next. Only
+  the rank itself knows its candidates (its plan: :mod:`.plan`);
 - remote attempts, repeated until everyone is done: for every pending rank r,
   in rank order, its next copy is served by the server rank of the node
   holding it (another node's memory), or for a Tier-3 copy by the *leader* of
   r's node (its server rank again), which reads only the objects its local
   ranks need and sends them on. Transfers are point-to-point
-  (:meth:`CheckpointComm.send`: the size, or "nothing" when the server's copy
-  is missing or fails its check, then the bytes). Every rank walks the same
-  list of asks in the same order, so sends and receives pair up and cannot
-  deadlock (the lowest unfinished transfer always has both ends ready). The
-  receiver verifies the bytes against the stamp its plan holds, then decodes.
-  A status gather follows, with the next ask of each rank whose copy failed.
+  (:meth:`CheckpointComm.send`): r sends the copy it asks for (its stamp), the
+  server answers with the size, or "nothing" when its copy is missing or fails
+  its check, then the bytes. Every rank walks the same list of pending ranks
+  in the same order, so sends and receives pair up and cannot deadlock (the
+  lowest unfinished transfer always has both ends ready). The receiver
+  verifies the bytes against the stamp, then decodes. A status gather
+  follows, with the next ask of each rank whose copy failed.
 
 Sending to the rank instead of writing into the node's memory keeps recovered
 copies out of the areas whose only writers are the save path. When a rank runs

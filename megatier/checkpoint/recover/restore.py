@@ -138,7 +138,7 @@ def _fetch_and_replay(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetch
     return checkfree
 
 
-def _in_place(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, plan: RankPlan) -> set[int]:
+def _in_place(ctx: CheckpointContext, shard: ShardAccess, plan: RankPlan) -> set[int]:
     """The ranks whose state in memory is already at the agreed end (an in-process recovery's survivors that
     finished step E and no more): they read and replay nothing, and the rounds are as many as the longest
     chain of the others. Never under resharding or a lost stage."""
@@ -173,18 +173,19 @@ def _cleanup(ctx: CheckpointContext, servers: dict[str, int], end: int, corrupt:
 
 
 def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, plan: RankPlan,
-                           coordinator: Optional[Coordinator], timings: list[float]) -> Optional[dict]:
+                           coordinator: Optional[Coordinator], timings: list[float]
+                           ) -> tuple[Optional[dict], RankPlan]:
     """Fetch and replay; when a rank runs out of good copies, rank 0 agrees again without the bad ones (a stage
-    whose every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record."""
+    whose every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record (if
+    it ran) and the plan that was carried out."""
     while True:
         try:
-            return _fetch_and_replay(ctx, shard, fetcher, plan, timings)
+            return _fetch_and_replay(ctx, shard, fetcher, plan, timings), plan
         except Exhausted as e:
             ledger = fetcher.ledger
             decide_again = partial(coordinator.again, ledger.bad, str(e), ledger.fallbacks) if coordinator else None
-            again = coordinated(ctx.comm, decide_again, "the recovery plan without the bad copies")
-            plan.consensus, plan.passes, plan.rounds = again.consensus, again.passes, again.rounds
-            fetcher.consensus = again.consensus
+            plan = coordinated(ctx.comm, decide_again, "the recovery plan without the bad copies")
+            fetcher.consensus = plan.consensus
             ledger.served.clear()
             fetcher.in_place = set()  # the end may have moved: every rank restores from the copies
 
@@ -202,10 +203,10 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     t_consensus = time.perf_counter() - t0
     reader = Reader(ctx.node, ctx.job_id, plan.consensus.degrees, {t.label: t for t in ctx.tiers})
     fetcher = Fetcher(ctx.comm, reader, plan.consensus, rank_nodes)
-    fetcher.in_place = _in_place(ctx, shard, fetcher, plan)
+    fetcher.in_place = _in_place(ctx, shard, plan)
     fetcher.ledger.fallbacks.extend(plan.notes)
     timings = [0.0, 0.0]
-    checkfree = _replay_with_fallbacks(ctx, shard, fetcher, plan, coordinator, timings)
+    checkfree, plan = _replay_with_fallbacks(ctx, shard, fetcher, plan, coordinator, timings)
     consensus = fetcher.consensus
     try:
         (deleted, quarantined), fatal = _cleanup(ctx, fetcher.servers, consensus.end, fetcher.ledger.corrupt), None
