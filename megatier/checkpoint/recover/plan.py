@@ -72,8 +72,8 @@ class Refusal:
 
 def coordinated(comm: CheckpointComm, decide_all: Optional[Callable[[], list[RankPlan]]], what: str) -> RankPlan:
     """Collective: rank 0 runs ``decide_all`` (one plan per rank; the others pass None), each rank receives its
-    own. An error there is
-    raised on every rank: a RecoveryError as itself, anything else as a RecoveryError naming it."""
+    own. An error there is raised on every rank: a RecoveryError as itself, anything else as a RecoveryError
+    naming it."""
     items, raised = None, None
     if comm.rank == 0:
         try:
