@@ -29,7 +29,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     trainer = cfg = None
     try:
         cfg = compose_config(overrides)
-        needed, membership = inprocess.wait_if_spare(cfg.recovery, cfg.parallel.timeout_s)  # a hot spare waits
+        needed, membership = inprocess.wait_if_spare(cfg)  # a hot spare waits
         if not needed:
             return 0
         trainer = Trainer(cfg, stop=stop, membership=membership)

@@ -33,13 +33,58 @@ from megatier.parallel.assignment import Assignment, Member, assign_ranks
 
 PREFIX = "megatier/membership"
 _POLL_S = 0.005
+_LEASE_POLL_S = 0.25  # how often the decider reads the agents' heartbeats (one request per node)
+BEAT_S = 0.5  # how often a node agent beats (megatier.launcher.agent)
+
+
+def beat(store: dist.Store, prefix: str, node: str) -> None:
+    """Node ``node``'s agent is alive: one more beat on its counter."""
+    store.add(f"{prefix}/beat/{node}", 1)
+
+
+class NodeLeases:
+    """The node agents' leases, as one decider sees them: a node whose beat counter stood still for ``lease_s``
+    is lost, with every process on it. A node without a counter (no agent beats for it: processes started by
+    another launcher) is never judged lost this way; its processes' deaths come from their reports or the
+    round's deadline."""
+
+    def __init__(self, store: dist.Store, prefix: str, lease_s: float):
+        self.store, self.prefix, self.lease_s = store, prefix, lease_s
+        self._seen: dict[str, tuple[int, float]] = {}  # node -> (its count, since when)
+
+    def expired(self, nodes: set[str]) -> set[str]:
+        now, out = time.monotonic(), set()
+        for node in sorted(nodes):
+            count = self.store.add(f"{self.prefix}/beat/{node}", 0)
+            last = self._seen.get(node)
+            if last is None or last[0] != count:
+                self._seen[node] = (count, now)
+            elif count and now - last[1] >= self.lease_s:
+                out.add(node)
+        return out
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """A round's published decision: the assignment, or None when the round could not complete."""
+    """A round's published decision: the assignment, or None when the round could not complete (``reason``
+    says why); ``step``, the newest step a survivor had trained, and ``still``, how many rounds in a row
+    formed the same world without a step beyond that (a failure no loss explains: see :meth:`decide`)."""
 
     assignment: Optional[Assignment]
+    reason: str = ""
+    step: int = -1
+    still: int = 0
+
+    def to_json(self) -> str:
+        a = self.assignment
+        return json.dumps({"assignment": None if a is None else a.to_dict(), "reason": self.reason,
+                           "step": self.step, "still": self.still})
+
+    @classmethod
+    def from_json(cls, doc: str) -> "Outcome":
+        d = json.loads(doc)
+        a = d["assignment"]
+        return cls(None if a is None else Assignment.from_dict(a), d["reason"], d["step"], d["still"])
 
     def role(self, member_id: str, *, spare: bool = False) -> str:
         """``rank`` (take ``assignment.rank_of(member_id)``), ``idle`` (wait for a later round) or ``leave``. A
@@ -63,16 +108,27 @@ class MembershipRound:
 
     # ---- members ------------------------------------------------------------------------------
 
-    def join(self, member: Member, *, survivor: bool) -> bool:
-        """Enter the round, as a surviving rank's holder or an idle spare; True for the one survivor that
-        decides (the first to join: one process polls the store, the others wait for its answer)."""
+    def join(self, member: Member, *, survivor: bool, step: int = -1) -> bool:
+        """Enter the round, as a surviving rank's holder (``step``: the newest step it trained) or an idle spare;
+        True for the one survivor that decides (the first to join: one process polls the store, the others
+        wait for its answer)."""
         slot = self.store.add(f"{self.key}/joined", 1) - 1
-        self.store.set(f"{self.key}/member/{slot}", json.dumps({"id": member.id, "node": member.node}))
+        self.store.set(f"{self.key}/member/{slot}", json.dumps({"id": member.id, "node": member.node, "step": step}))
         return survivor and self.store.add(f"{self.key}/survivors", 1) == 1
+
+    def arrive(self) -> None:
+        """A holder of the world this round formed is ready for its process groups."""
+        self.store.add(f"{self.key}/arrived", 1)
+
+    def arrived(self) -> int:
+        return self.store.add(f"{self.key}/arrived", 0)
 
     def members(self) -> list[Member]:
         """Everyone who joined so far, in joining order."""
-        return [Member(**json.loads(doc)) for doc in self._listed(f"{self.key}/joined", f"{self.key}/member")]
+        return [Member(d["id"], d["node"]) for d in self._joined()]
+
+    def _joined(self) -> list[dict]:
+        return [json.loads(doc) for doc in self._listed(f"{self.key}/joined", f"{self.key}/member")]
 
     def _listed(self, count_key: str, item_prefix: str) -> list[str]:
         """The items appended under ``item_prefix`` (a count taken with ``add``, then the item written: one
@@ -92,32 +148,62 @@ class MembershipRound:
     # ---- the decision -------------------------------------------------------------------------
 
     def decide(self, degrees: tuple[int, int, int], world: list[Member], *, deadline_s: float,
-               shrink: bool, replacement_s: float = 0.0, dp_ok: Callable[[int], bool] = lambda dp: True) -> Outcome:
+               shrink: bool, replacement_s: float = 0.0, dp_ok: Callable[[int], bool] = lambda dp: True,
+               lease_s: float = 5.0) -> Outcome:
         """The deciding survivor's part: wait until every member of the failed ``world`` (by rank) has joined or
-        been reported dead, or for the deadline (a hung process never joins); publish the decision. With a lost
-        rank and no spare for it, wait up to ``replacement_s`` more for one to join (a replacement process), then
-        shrink dp if ``shrink`` (to a count of replicas ``dp_ok`` accepts)."""
+        is dead (reported by its agent, or on a node whose agent's lease of ``lease_s`` ran out), or for the
+        deadline (a hung process never joins); publish the decision. With a lost rank and no spare for it, wait
+        up to ``replacement_s`` more for one to join (a replacement process), then shrink dp if ``shrink`` (to
+        a count of replicas ``dp_ok`` accepts). A round that would form the same world as the one before it,
+        at the same step, twice in a row is refused: the failure recurs with nobody lost, so it is the job's
+        own and another round would only repeat it."""
         deadline = time.monotonic() + deadline_s
         ids = {m.id for m in world}
+        leases = NodeLeases(self.store, self._root, lease_s)
+        dead, looked = set(), 0.0
         while time.monotonic() < deadline:
-            joined = self.store.add(f"{self.key}/survivors", 0)
-            if joined + len(self.reported_dead() & ids) >= len(world):
+            if time.monotonic() - looked > _LEASE_POLL_S:
+                dead, looked = self._lost_members(world, leases), time.monotonic()
+            if self.store.add(f"{self.key}/survivors", 0) + len(dead & ids) >= len(world):
                 break
             time.sleep(_POLL_S)
-        assignment = self._assign(degrees, world)
+        assignment = self._assign(degrees, world, leases)
         wait_until = time.monotonic() + replacement_s
         while assignment is None and time.monotonic() < wait_until:
             time.sleep(50 * _POLL_S)
-            assignment = self._assign(degrees, world)
+            assignment = self._assign(degrees, world, leases)
         if assignment is None and shrink:
-            assignment = self._assign(degrees, world, True, dp_ok)
-        self.store.set(f"{self.key}/decision", json.dumps(None if assignment is None else assignment.to_dict()))
+            assignment = self._assign(degrees, world, leases, True, dp_ok)
+        outcome = self._judged(assignment, world)
+        self.store.set(f"{self.key}/decision", outcome.to_json())
         self.store.add(f"{self._root}/decided", 1)
-        return Outcome(assignment)
+        return outcome
 
-    def _assign(self, degrees: tuple[int, int, int], world: list[Member], shrink: bool = False,
-                dp_ok: Callable[[int], bool] = lambda dp: True) -> Optional[Assignment]:
-        dead = self.reported_dead()  # a spare that died with its node had joined, but cannot take a rank
+    def _judged(self, assignment: Optional[Assignment], world: list[Member]) -> Outcome:
+        """The decision to publish: ``assignment`` with this round's step and streak, or why there is none."""
+        if assignment is None:
+            return Outcome(None, "no spare took a lost rank within recovery.wait_for_replacement_s, and dp could "
+                                 "not shrink (recovery.shrink=false, or no whole data-parallel replica was left)")
+        step = max((d.get("step", -1) for d in self._joined()), default=-1)
+        before = MembershipRound(self.store, self.epoch - 1, self._root).outcome(1.0) if self.epoch > 1 else None
+        progressed = before is None or step > before.step
+        still = 0 if list(assignment.holders) != [m.id for m in world] else \
+            (0 if progressed else before.still) + 1
+        if still >= 2:
+            return Outcome(None, f"the failure came back at step {step + 1} with every process alive, so it is "
+                                 f"the job's own, not a lost peer's", step, still)
+        return Outcome(assignment, "", max(step, before.step if before else -1), still)
+
+    def _lost_members(self, world: list[Member], leases: "NodeLeases") -> set[str]:
+        """The members known dead: reported by their agent, or on a node whose agent's lease ran out (a lost
+        machine takes its spares too, even one that joined this round before it died)."""
+        members = [*world, *self.members()]
+        lost = leases.expired({m.node for m in members})
+        return self.reported_dead() | {m.id for m in members if m.node in lost}
+
+    def _assign(self, degrees: tuple[int, int, int], world: list[Member], leases: "NodeLeases",
+                shrink: bool = False, dp_ok: Callable[[int], bool] = lambda dp: True) -> Optional[Assignment]:
+        dead = self._lost_members(world, leases)  # a spare that died with its node had joined, but cannot take a rank
         joined = [m for m in self.members() if m.id not in dead]
         return assign_ranks(degrees, world, joined, shrink=shrink, dp_ok=dp_ok)
 
@@ -132,9 +218,8 @@ class MembershipRound:
         try:
             self.store.wait([key], timedelta(seconds=timeout_s))
         except dist.DistStoreError:
-            return Outcome(None)
-        doc = json.loads(self.store.get(key))
-        return Outcome(None if doc is None else Assignment.from_dict(doc))
+            return Outcome(None, f"no decision within {timeout_s:g} s: the deciding survivor died or hung")
+        return Outcome.from_json(self.store.get(key).decode())
 
     @staticmethod
     def decided_epochs(store: dist.Store, prefix: str = PREFIX) -> int:

@@ -33,18 +33,24 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from megatier.config import RecoveryConfig
+from megatier.config import Config, ConfigError, RecoveryConfig, validate
 from megatier.launcher.agent import ENV_MEMBER, ENV_RUN, ENV_SPARE, ENV_STORE, connect_store, run_prefix
-from megatier.parallel.assignment import Member
+from megatier.parallel.assignment import Assignment, Member
 from megatier.parallel.membership import MembershipRound
 
 log = logging.getLogger(__name__)
 
 _SPARE_POLL_S = 0.02
+_DEAD_POLL_S = 0.2
 
 
 class RoundFailed(RuntimeError):
     """The membership round could not re-form the job; the launch ends and a relaunch restores."""
+
+
+class PeerLost(RuntimeError):
+    """A holder of the world a round just formed died (or never came) before that world's groups formed:
+    another round recovers it."""
 
 
 class JobEnded(Exception):
@@ -82,6 +88,7 @@ class Membership:
     epoch: int = 0
     world: list[Member] = field(default_factory=list)
     assigned_at: Optional[float] = None  # a spare's: when a round gave it a rank (its recovery's detection)
+    assignment: Optional[Assignment] = None  # the last round's, once this process adopted it
 
     @classmethod
     def connect(cls, cfg: RecoveryConfig, timeout_s: float) -> Optional["Membership"]:
@@ -105,18 +112,19 @@ class Membership:
 
     # ---- survivors -----------------------------------------------------------------------------
 
-    def survive(self, degrees: tuple[int, int, int], dp_ok: Callable[[int], bool]) -> Optional[int]:
-        """Join the next round as a survivor; the rank this process holds in the re-formed world (its own when
-        the layout stays), or None when the round dropped its data-parallel replica (it is idle: a spare now).
-        RoundFailed when the round could not complete or left this process out. ``dp_ok``: whether the job can
-        train with that many replicas (``recovery.shrink``)."""
+    def survive(self, degrees: tuple[int, int, int], dp_ok: Callable[[int], bool], step: int = -1) -> Optional[int]:
+        """Join the next round as a survivor that trained up to ``step``; the rank this process holds in the
+        re-formed world (its own when the layout stays), or None when the round dropped its data-parallel
+        replica (it is idle: a spare now). RoundFailed when the round could not complete or left this process
+        out. ``dp_ok``: whether the job can train with that many replicas (``recovery.shrink``)."""
         self.epoch += 1
         rnd = MembershipRound(self.store, self.epoch, self.prefix)
-        wait = self.cfg.round_timeout_s + self.cfg.wait_for_replacement_s
+        cfg = self.cfg
+        wait = cfg.round_timeout_s + cfg.wait_for_replacement_s + cfg.node_lease_s
         try:
-            if rnd.join(self.me, survivor=True):
-                rnd.decide(degrees, self.world, deadline_s=self.cfg.round_timeout_s, shrink=self.cfg.shrink,
-                           replacement_s=self.cfg.wait_for_replacement_s, dp_ok=dp_ok)
+            if rnd.join(self.me, survivor=True, step=step):
+                rnd.decide(degrees, self.world, deadline_s=cfg.round_timeout_s, shrink=cfg.shrink,
+                           replacement_s=cfg.wait_for_replacement_s, dp_ok=dp_ok, lease_s=cfg.node_lease_s)
             outcome = rnd.outcome(timeout_s=wait + 10.0)
         except (RuntimeError, dist.DistError) as e:  # the store is gone: nothing to re-form on
             raise RoundFailed(f"the membership store is unreachable ({e})") from None
@@ -124,12 +132,29 @@ class Membership:
         if role == "idle":
             return None
         if role != "rank":
-            raise RoundFailed("no spare took a lost rank within recovery.wait_for_replacement_s (and recovery."
-                              "shrink=false, or no whole data-parallel replica was left)"
-                              if outcome.assignment is None else "this process was left out of the re-formed job")
+            raise RoundFailed(outcome.reason if outcome.assignment is None else
+                              "this process was left out of the re-formed job")
         return self._adopt(outcome.assignment)
 
+    def rendezvous(self, rank: int, timeout_s: float) -> None:
+        """Wait until every holder of the world this epoch formed has arrived, before its process groups form:
+        torch's own rendezvous would wait its whole timeout for a holder that died after the decision. Raises
+        PeerLost at once when one is reported dead, or after ``timeout_s`` (a hung holder)."""
+        rnd = MembershipRound(self.store, self.epoch, self.prefix)
+        rnd.arrive()
+        ids = {m.id for m in self.world}
+        deadline, looked = time.monotonic() + timeout_s, 0.0
+        while rnd.arrived() < len(self.world):
+            if time.monotonic() - looked > _DEAD_POLL_S:
+                lost, looked = rnd.reported_dead() & ids, time.monotonic()
+                if lost:
+                    raise PeerLost(f"{', '.join(sorted(lost))} died before the world of round {self.epoch} formed")
+            if time.monotonic() > deadline:
+                raise PeerLost(f"a holder of round {self.epoch}'s world did not come within {timeout_s:g} s")
+            time.sleep(_SPARE_POLL_S)
+
     def _adopt(self, assignment) -> int:
+        self.assignment = assignment
         self.world = [member_of(h) for h in assignment.holders]
         return assignment.rank_of(self.me.id)
 
@@ -172,20 +197,38 @@ def become_rank(membership: Membership, rank: int) -> None:
     os.environ["LOCAL_RANK"] = str([r for r, m in enumerate(world) if m.node == world[rank].node].index(rank))
 
 
-def wait_if_spare(cfg: RecoveryConfig, timeout_s: float) -> tuple[bool, Optional[Membership]]:
-    """For a hot spare (MEGATIER_SPARE=1): wait for a rank; (False, None) when the job ended without needing
-    it. Any other process: (True, None) at once."""
+def trainable_dp(cfg: Config, dp: int) -> bool:
+    """Whether the job of ``cfg`` trains with ``dp`` data-parallel replicas (a shrink's choice)."""
+    try:
+        validate(cfg, dp * cfg.parallel.tp * cfg.parallel.pp)
+    except ConfigError:
+        return False
+    return True
+
+
+def wait_if_spare(cfg: Config) -> tuple[bool, Optional[Membership]]:
+    """For a hot spare (MEGATIER_SPARE=1): wait for a rank and for the other holders of its world; (False,
+    None) when the job ended without needing it. Any other process: (True, None) at once. A holder lost before
+    that world formed sends the spare, now holding a rank, into the next round as a survivor."""
     if not is_spare():
         return True, None
-    membership = Membership.connect(cfg, timeout_s)
+    timeout_s = cfg.parallel.timeout_s
+    membership = Membership.connect(cfg.recovery, timeout_s)
     if membership is None:
         raise RoundFailed(f"{ENV_SPARE}=1 needs recovery.mode=inprocess, a membership store and {ENV_MEMBER}")
     rank = membership.await_rank()
-    if rank is None:
-        return False, None
-    become_rank(membership, rank)
-    log.info("spare %s takes rank %d (round %d)", membership.me.id, rank, membership.epoch)
-    return True, membership
+    while rank is not None:
+        become_rank(membership, rank)
+        log.info("spare %s takes rank %d (round %d)", membership.me.id, rank, membership.epoch)
+        try:
+            membership.rendezvous(rank, timeout_s)
+            return True, membership
+        except PeerLost as e:
+            log.info("spare %s: %s; joining the next round", membership.me.id, e)
+            a = membership.assignment
+            rank = membership.survive((a.tp, a.pp, a.dp), lambda dp: trainable_dp(cfg, dp))
+            rank = membership.await_rank() if rank is None else rank
+    return False, None
 
 
 def release_spares(trainer, cfg: Optional[RecoveryConfig]) -> None:

@@ -102,7 +102,6 @@ class Trainer(InPlaceRecovery):
         self._checkpoint_cfg = cfg.checkpoint  # as configured; each world takes what its topology allows
         self.step = 0
         self._updating = False  # the optimizer is applying a step (see _recover_in_place)
-        self._recovered_at: Optional[int] = None  # the step the last in-process recovery happened at
         self.logger, self.goodput = NullLogger(), NullLedger()
         self._factory = checkpointer  # in-process recovery builds the checkpointer again
         self._build_components()
@@ -302,7 +301,6 @@ class Trainer(InPlaceRecovery):
             loss, reduced = rerun
         self._updating = True  # a failure from here until the step is counted leaves the state between versions
         stats = self.optimizer.step(step, reduced)
-        self._updating = False
         self.param_flip.plant(step, self.optimizer.param_flat)
         self.nonfinite.check(step, stats.skipped, loss, self.optimizer.last_grad, self.optimizer.shard_segments)
         if not stats.skipped:
@@ -380,7 +378,7 @@ class Trainer(InPlaceRecovery):
         if record is not None:
             self.logger.log({"step": self.step, **record})
         self.goodput.resume(self.step, record, detected_at=self.detected_at)
-        self.detected_at = None
+        self.detected_at, self._intact = None, True
         self._say_schedule(record)
 
     def _say_schedule(self, record: Optional[dict]) -> None:
@@ -397,20 +395,13 @@ class Trainer(InPlaceRecovery):
                      "job keep that schedule", horizon)
 
     def train(self) -> None:
+        """Restore (at the launch), then train to train.iters; recovers a lost peer in place (InPlaceRecovery)."""
         t = self.cfg.train
         if self.step == 0:
-            self.restore()
+            self._carry_on(self._attempt(self.restore)[1])
             self.already_finished = self.step >= t.iters > 0
         while self.step < t.iters and self.interrupted_at is None:
-            failure = None
-            try:
-                self._loop_step()
-            except RuntimeError as e:
-                if not self._recoverable(e):
-                    raise
-                failure = str(e).splitlines()[0][:200]  # not the error: its frames hold the old groups
-            if failure is not None:
-                self._recover_in_place(failure)
+            self._carry_on(self._attempt(self._loop_step)[1])
 
     def _loop_step(self) -> None:
         """One pass of the loop: train step E+1, checkpoint it, validate when due, account and log it."""
@@ -418,7 +409,7 @@ class Trainer(InPlaceRecovery):
         step = self.step + 1
         self.fault(CrashPoint.TRAIN_STEP_BEGIN, step)
         record = self.train_step(step)
-        self.step = step
+        self.step, self._updating = step, False
         if self.checkpointer is not None:
             start = time.perf_counter()
             record.update(self.checkpointer.after_step(step))
@@ -453,12 +444,8 @@ class Trainer(InPlaceRecovery):
     def close(self, *, failed: bool = False) -> dict:
         """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups; ``failed``:
         the launch ends on a failure it found itself (a diverged step)."""
-        start = time.perf_counter()
-        status = self.checkpointer.close(failed=failed) if self.checkpointer is not None else None
-        drain_s = time.perf_counter() - start
-        digest = self.state_digest()
-        summary = {"step": self.step, "event": "summary", "state_digest": digest,
-                   "canonical_digest": self.canonical_digest(), **(status or {})}
+        status, digests, drain_s = self._closed(failed)
+        summary = {"step": self.step, "event": "summary", **digests, **(status or {})}
         last = getattr(self, "last_record", None)
         if last is not None:
             summary.update(loss=last["loss"], val_loss=last.get("val_loss"))
