@@ -1,12 +1,14 @@
 """Named crash points for failure drills, armed by ``MEGATIER_CRASH_AT``.
 
-    MEGATIER_CRASH_AT=<point>:<step>[:<rank>][:stop][,<point>:<step>[:<rank>][:stop]...]
+    MEGATIER_CRASH_AT=<point>:<step>[:<rank>][:stop|:node][,<point>:<step>[:<rank>][:stop|:node]...]
 
 kills this process with SIGKILL (no cleanup, no flush: a real crash) the first
 time code reaches ``point`` for a step or version at or after ``step``, on
 ``rank`` only when given, else on every rank that gets there. With ``stop`` the
 process SIGSTOPs itself instead: a hung rank, which its peers must notice
-within their timeout. Several points
+within their timeout. With ``node`` it SIGKILLs its whole process group at once: on a node of
+``megatier-launch`` that is the node's agent, every rank and every spare, as when the machine dies (nobody is
+left to report a death; the agent's lease runs out). Several points
 may be armed at once (the first reached fires), e.g. a crash point that may not
 be reached and ``train.step_end`` as a backstop. Code calls a
 :data:`FaultHook` at each point (a :class:`FaultInjector`, or :func:`no_faults`
@@ -69,6 +71,7 @@ class Armed:
     step: int = 0
     only_rank: Optional[int] = None
     stop: bool = False  # hang (SIGSTOP) instead of dying (SIGKILL)
+    node: bool = False  # kill the process group (the simulated node: its agent and every process it started)
 
 
 @dataclass(frozen=True)
@@ -85,18 +88,18 @@ class FaultInjector:
         if not spec:
             return cls(rank)
         names = ", ".join(p.value for p in CrashPoint)
-        usage = (f"{ENV}={spec!r} is not <point>:<step>[:<rank>][:stop][,...] with point one of {names}; fix or "
-                 f"unset it")
+        usage = (f"{ENV}={spec!r} is not <point>:<step>[:<rank>][:stop|:node][,...] with point one of {names}; "
+                 f"fix or unset it")
         armed = []
         for item in spec.split(","):
             parts = item.strip().split(":")
-            stop = parts[-1] == "stop"
-            parts = parts[:-1] if stop else parts
+            how = parts[-1] if parts[-1] in ("stop", "node") else None
+            parts = parts[:-1] if how else parts
             try:
                 if len(parts) not in (2, 3):
                     raise ValueError
                 rank_part = int(parts[2]) if len(parts) == 3 else None
-                armed.append(Armed(CrashPoint(parts[0]), int(parts[1]), rank_part, stop))
+                armed.append(Armed(CrashPoint(parts[0]), int(parts[1]), rank_part, how == "stop", how == "node"))
             except ValueError:
                 raise ValueError(usage) from None
         return cls(rank, tuple(a for a in armed if a.only_rank in (None, rank)))
@@ -115,9 +118,11 @@ class FaultInjector:
         hit = next((a for a in self.armed_points if a.point == point and step >= a.step), None)
         if hit is None:
             return
-        what = "hanging" if hit.stop else "crashing"
+        what = "hanging" if hit.stop else "killing its node" if hit.node else "crashing"
         sys.stderr.write(f"[megatier] {ENV}: rank {self.rank} {what} at {point} (step {step})\n")
         sys.stderr.flush()
+        if hit.node:
+            os.killpg(os.getpgrp(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGSTOP if hit.stop else signal.SIGKILL)
 
     # Mechanism code takes a plain FaultHook callable.

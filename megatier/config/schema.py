@@ -345,6 +345,9 @@ class RecoveryConfig:
     # Seconds the deciding survivor waits for members that neither joined the round nor were reported dead (a
     # hung process), and every member for the decision.
     round_timeout_s: float = 30.0
+    # Seconds a node agent's heartbeat may stand still before the round counts the node lost, with every rank
+    # and spare on it (a machine that died with its agent: nobody reports its processes).
+    node_lease_s: float = 5.0
 
 
 @dataclass

@@ -12,7 +12,8 @@ ranks i*M..; ParallelState orders nodes by name, which is what the ring uses.
 Once one agent fails, the others get ``fail_grace_s`` seconds to finish before
 they are stopped, so a job whose peer died cannot hang on a rendezvous or
 collective. The exit status is the worst of the agents' (a signal death counts
-as 128 + signal).
+as 128 + signal; in process, an agent killed by a signal is a lost node and only
+counts when no agent ran to its end).
 
 With ``recovery="inprocess"`` each node runs ``megatier-agent`` instead
 (:mod:`megatier.launcher.agent`): ranks are node-major, a failed process is
@@ -184,7 +185,7 @@ class LocalCluster:
         while True:
             codes = [a.poll() for a in self.agents]
             if all(c is not None for c in codes):
-                return max(exit_status(c) for c in codes)
+                return self._status(codes)
             if deadline is not None and time.monotonic() > deadline:
                 print(f"launch_local_cluster: still running after {timeout_s:.0f}s; stopping every node",
                       file=sys.stderr)
@@ -197,6 +198,14 @@ class LocalCluster:
                       file=sys.stderr)
                 self.stop()
             time.sleep(poll_s)
+
+    def _status(self, codes: list[int]) -> int:
+        """The launch's exit status: the worst agent's. In process, an agent killed by a signal is a lost node
+        whose ranks the others' rounds took over, so the job's status is what the agents that ran to their end
+        say (each counts a process a later round replaced as recovered); only if none did, the worst."""
+        if self.inprocess:
+            codes = [c for c in codes if c >= 0] or codes
+        return max(exit_status(c) for c in codes)
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every agent (torchrun then stops its workers); SIGKILL whatever is left after ``grace_s``."""

@@ -65,13 +65,15 @@ def inject(spec: DrillSpec, job: Job, at_step: int, k: int) -> int:
 
 def run_inprocess(spec: DrillSpec, job: Job) -> tuple[list[Recovery], list[dict], int]:
     """In-process recovery: one launch with every failure armed on its victims (:meth:`DrillSpec.victim_ranks`);
-    the survivors and spares recover each in place and the job finishes in the same launch. A node failure's
-    memory is wiped after the launch: nothing reads it meanwhile (no process runs on that node any more)."""
-    hang = ":stop" if spec.fail == "hang" else ""
+    the survivors and spares recover each in place and the job finishes in the same launch. A node failure
+    kills the node's agent, ranks and spares together; its memory is wiped after the launch: nothing reads it
+    meanwhile (no process runs on that node any more)."""
+    # A node failure kills the node's agent, ranks and spares at once (its process group), as a dead machine.
+    how = {"hang": ":stop", "node": ":node"}.get(spec.fail, "")
     armed: dict[int, list[str]] = {}
     for k, step in enumerate(spec.at_steps):
         armed.setdefault(spec.armed_node(k), []).extend(
-            f"{CrashPoint.TRAIN_STEP_END}:{step}:{r}{hang}" for r in spec.victim_ranks(k))
+            f"{CrashPoint.TRAIN_STEP_END}:{step}:{r}{how}" for r in spec.victim_ranks(k))
     env = {node: {"MEGATIER_CRASH_AT": ",".join(points)} for node, points in armed.items()}
     if spec.fail_in_recovery:  # the first replay of rank 0 is the in-place rollback
         env[0] = {"MEGATIER_CRASH_AT": f"{CrashPoint.REPLAY_MID_BATCH}:1:0"}

@@ -18,7 +18,9 @@ worst status of its processes (a death by signal s counts as 128 + s).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -28,13 +30,22 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatier.parallel.membership import PREFIX, MembershipRound
+from megatier.parallel.membership import BEAT_S, PREFIX, MembershipRound, beat
 
 ENV_STORE = "MEGATIER_MEMBERSHIP_STORE"  # host:port of the membership store
 ENV_MEMBER = "MEGATIER_MEMBER_ID"  # a process's lifelong id
 ENV_SPARE = "MEGATIER_SPARE"  # "1": start idle and wait for a round to give the process a rank
 ENV_RUN = "MEGATIER_RUN_ID"  # the launch's id: its rounds' keys, apart from other launches on the same store
 FAULT_ENV = ("MEGATIER_CRASH_AT",)  # a drill's armed crash belongs to the rank it was armed on, not to a spare
+
+
+def _die_with_parent() -> None:
+    """A preexec function (Linux): the process is killed when its agent dies, as it would be with its machine;
+    a rank or spare that outlived its agent would run unwatched (nobody reports its death or stops it)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def exit_status(returncode: int) -> int:
@@ -80,6 +91,7 @@ class NodeAgent:
         self.store: Optional[dist.TCPStore] = None
         self.prefix = run_prefix(run_id)
         self._read_rounds = 0  # decided rounds this agent has acted on
+        self._beaten = 0.0  # when this agent last beat (its node's lease: megatier.parallel.membership)
 
     def _env(self, member: str, rank: Optional[int], local: int) -> dict:
         # The ranks this node will run: a node of spares runs as many as it has spares (threads per process follow).
@@ -98,18 +110,30 @@ class NodeAgent:
 
     def start(self) -> None:
         self.store = connect_store(self.address)
+        self._beat()
         command = [sys.executable, *self.script_args]
         for local in range(self.procs):
             member = f"{self.node}/{local}"
             env = self._env(member, self.node_rank * self.procs + local, local)
-            self.children.append(Child(member, subprocess.Popen(command, env=env), holds_rank=True))
+            self.children.append(Child(member, self._spawn(command, env), holds_rank=True))
         for k in range(self.spares):
             member = f"{self.node}/spare{k}"
-            self.children.append(Child(member, subprocess.Popen(command, env=self._env(member, None, 0))))
+            self.children.append(Child(member, self._spawn(command, self._env(member, None, 0))))
+
+    @staticmethod
+    def _spawn(command: list[str], env: dict) -> subprocess.Popen:
+        return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
+
+    def _beat(self) -> None:
+        """Renew this node's lease: the rounds count a node whose agent stopped beating as lost."""
+        if time.monotonic() - self._beaten >= BEAT_S:
+            beat(self.store, self.prefix, self.node)
+            self._beaten = time.monotonic()
 
     def poll(self) -> bool:
         """Report the processes that failed since the last call, stop those a new round left out; True while
         any process runs."""
+        self._beat()
         for child in self.children:
             code = child.process.poll()
             if code not in (None, 0) and child.reported is None:
