@@ -23,10 +23,11 @@ from megatier.drill.cluster import LocalCluster
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    if "--" not in argv:
-        raise SystemExit("usage: megatier-launch --nodes N --procs-per-node M -- SCRIPT [ARGS...]")
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The launcher's options (before ``--``) and the job's command (after it). --help works without ``--``;
+    a missing ``--`` or job is argparse's usage error (exit 2), naming the fix."""
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="megatier-launch", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s --nodes N --procs-per-node M [options] -- SCRIPT [ARGS...]")
     parser.add_argument("--nodes", type=int, required=True, help="simulated nodes (one torchrun agent each)")
     parser.add_argument("--procs-per-node", type=int, required=True, help="training processes per node")
     parser.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
@@ -37,7 +38,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="inprocess: megatier-agent per node; survivors keep running and spares take lost ranks")
     parser.add_argument("--spares-per-node", type=int, default=0, help="in-process: idle spares on every node")
     parser.add_argument("--spare-nodes", type=int, default=0, help="in-process: extra nodes holding only spares")
-    return parser.parse_args(argv[:split]), argv[split + 1:]
+    args, script = parser.parse_args(argv[:split]), argv[split + 1:]
+    if not script:
+        parser.error("no job to run: put the job after --, e.g. -- pretrain_gpt.py model=tiny")
+    return args, script
 
 
 def main(argv: Optional[list[str]] = None) -> int:
