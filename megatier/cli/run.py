@@ -2,7 +2,7 @@ r"""megatier-run: torchrun for MegaTier jobs, ending with the workers' own exit 
 
     megatier-run --nproc-per-node 4 -m megatier.train model=tiny parallel.tp=2 train.iters=20
     megatier-run --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint host0:29400 \
-        -m megatier.train model=small parallel.tp=2
+        -m megatier.train model=small parallel.tp=2 train.micro_batch_size=1
 
 It takes exactly torchrun's arguments and runs torchrun's elastic agent. What differs is how a launch ends.
 torchrun turns any worker failure into its own status 1 and a traceback of its launcher, and a Ctrl-C into a
