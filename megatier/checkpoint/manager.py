@@ -56,7 +56,7 @@ from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.base_capture import BaseCapturer
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
-from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3
+from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, TIER_ORDER
 from megatier.checkpoint.tiers.durable import save_thread_tiers
 
 log = logging.getLogger(__name__)
@@ -399,13 +399,13 @@ class CheckpointManager:
 
         The gather is not waited for here: a rank that reaches the batch end first would otherwise hold its
         loop until the slowest rank arrives (tens of milliseconds on a loaded box). It completes while the ranks
-        train, and
-        is read at the next batch end (or at once when it is already done, e.g. in a world of one), so the
+        train, and is read at the next batch end (or at once when it is already done, e.g. in a world of one), so the
         watermark and the ``rpo_*`` metrics are at most one batch old. At most one gather is left running.
         """
         tiers = [t for t in self.ctx.tiers if t.saves]  # a read-only tier has no recovery point of this run
         durable = max((b for t in tiers if (b := t.durable_base()) is not None), default=None)
-        mine = [p if (p := t.point()) is not None else _NONE for t in tiers]
+        points = {t.label: t.point() for t in tiers}  # a column per label: a rank with no ring holder lacks Tier-2
+        mine = [_NONE if points.get(label) is None else points[label] for label in TIER_ORDER]
         holds = int(all(t.holds_job() for t in tiers))
         pending = self.ctx.comm.gather_ints_async(mine + [holds, durable if durable is not None else _NONE],
                                                   what=f"the checkpoint watermark sync after step {step}")
@@ -424,7 +424,7 @@ class CheckpointManager:
             self._apply_sync(step, tiers, rows)
 
     def _apply_sync(self, step: int, tiers: list, rows: list[list[int]]) -> None:
-        columns = {t.label: [row[i] for row in rows] for i, t in enumerate(tiers)}
+        columns = {t.label: [row[TIER_ORDER.index(t.label)] for row in rows] for t in tiers}
         self._last = recovery_points(columns, step)
         self._last.update(self.worker.tier_metrics)  # taken on the save thread after its previous reclaim
         if rows[0][-2] == 1:  # global rank 0 holds every tier (Tier-3's lease): writes may go out

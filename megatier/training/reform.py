@@ -48,6 +48,7 @@ class InPlaceRecovery:
         except RuntimeError as e:
             if not self._recoverable(e):
                 raise
+            log.debug("in-place recovery of: %s", e)
             return None, str(e).splitlines()[0][:200]  # not the error: its frames hold the old groups
 
     def _carry_on(self, failure: Optional[str]) -> None:
