@@ -11,6 +11,8 @@ import math
 import os
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 from megatier.config import LoggingConfig
 
 
@@ -32,17 +34,30 @@ def _jsonable(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Writes one JSON object per line to ``<run_dir>/metrics.jsonl`` and mirrors it to wandb."""
+    """Writes one JSON object per line to ``<run_dir>/metrics.jsonl`` and mirrors it to wandb.
+
+    Nothing is written until the first record: a launch refused while it builds (a changed config, a foreign
+    checkpoint) leaves the run directory as it was, with no config.yaml of the refused config, no rotated or
+    empty metrics file, no wandb run and no progress bar before its one line. The first record then writes
+    ``run_config`` to config.yaml, rotates the earlier launch's metrics and opens the sinks."""
 
     def __init__(self, cfg: LoggingConfig, run_dir: str, run_config: dict, *, total_steps: int, resume: bool = False):
         self.run_dir = run_dir
-        os.makedirs(run_dir, exist_ok=True)
         self.path = os.path.join(run_dir, "metrics.jsonl")
-        if not resume:
+        self._cfg, self._run_config, self._total_steps, self._resume = cfg, run_config, total_steps, resume
+        self._file = self._wandb = self._bar = None
+
+    def _open(self) -> None:
+        if self._file is not None:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        with open(os.path.join(self.run_dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(self._run_config))
+        if not self._resume:
             _rotate(self.path)
         self._file = open(self.path, "a", buffering=1)
-        self._wandb = self._init_wandb(cfg, run_dir, run_config)
-        self._bar = self._init_progress(cfg.progress, total_steps)
+        self._wandb = self._init_wandb(self._cfg, self.run_dir, self._run_config)
+        self._bar = self._init_progress(self._cfg.progress, self._total_steps)
 
     @staticmethod
     def _init_wandb(cfg: LoggingConfig, run_dir: str, run_config: dict):
@@ -67,6 +82,7 @@ class MetricsLogger:
         return self._wandb.dir if self._wandb is not None else None
 
     def log(self, record: dict) -> None:
+        self._open()
         record = {k: _jsonable(v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
         if self._wandb is not None:
@@ -74,6 +90,7 @@ class MetricsLogger:
             self._wandb.log(numeric, step=record.get("step"))
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
+        self._open()
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._bar.update(step - self._bar.n)  # redraws at most once per mininterval
@@ -90,7 +107,8 @@ class MetricsLogger:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 class NullLogger:

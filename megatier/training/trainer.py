@@ -228,12 +228,8 @@ class Trainer(InPlaceRecovery):
     def _build_logger(self):
         if self.ps.rank != 0:
             return NullLogger()
-        run_dir = self.cfg.logging.run_dir
-        os.makedirs(run_dir, exist_ok=True)
-        resolved = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(resolved))
-        return MetricsLogger(self.cfg.logging, run_dir, resolved, total_steps=self.cfg.train.iters)
+        resolved = OmegaConf.to_container(OmegaConf.structured(self.cfg), resolve=True)  # config.yaml's
+        return MetricsLogger(self.cfg.logging, self.cfg.logging.run_dir, resolved, total_steps=self.cfg.train.iters)
 
     def _build_ledger(self):
         if self.ps.rank != 0:
