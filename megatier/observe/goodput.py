@@ -349,6 +349,7 @@ class GoodputLedger:
         tmp = f"{self.path}.tmp"
         try:
             text = json.dumps(self.state.to_json(), separators=(",", ":"))  # one pass of the C encoder
+            os.makedirs(os.path.dirname(tmp) or ".", exist_ok=True)  # the run directory waits for the first record
             with open(tmp, "w") as f:
                 f.write(text)
             os.replace(tmp, self.path)

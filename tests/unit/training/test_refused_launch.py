@@ -47,7 +47,8 @@ def test_a_relaunch_refused_for_a_changed_config_leaves_the_run_directory_as_it_
     first = _train(*args)
     assert first.returncode == 0, first.stderr[-3000:]
     before = _tree(f"{tmp_path}/run")
-    assert f"{tmp_path}/run/config.yaml" in before and f"{tmp_path}/run/metrics.jsonl" in before
+    assert {f"{tmp_path}/run/{n}" for n in ("config.yaml", "metrics.jsonl", "goodput.json")} <= set(before)
+    assert "cannot write" not in first.stdout  # the ledger's first write makes the run directory
 
     refused = _train(*args, "optim.lr=0.001")
     assert refused.returncode == 2, refused.stderr[-3000:]
