@@ -115,6 +115,11 @@ class InPlaceRecovery:
         self.checkpointer = self.ps = None  # the last references: the old groups close, blocked peers fail now
         gc.collect()
 
+    @property
+    def membership_epoch(self) -> int:
+        """The membership rounds this process's world came out of (0: the launch's own world)."""
+        return self.membership.epoch if self.membership is not None else 0
+
     def _trainable_dp(self, dp: int) -> bool:
         return trainable_dp(self.cfg, dp)
 

@@ -395,7 +395,7 @@ class Trainer(InPlaceRecovery):
         t = self.cfg.train
         if self.step == 0:
             self._carry_on(self._attempt(self.restore)[1])
-            self.already_finished = self.step >= t.iters > 0
+            self.already_finished = self.step >= t.iters > 0 and not self.membership_epoch  # a spare joins a job
         while self.step < t.iters and self.interrupted_at is None:
             self._carry_on(self._attempt(self._loop_step)[1])
 

@@ -194,6 +194,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     """Recover the newest state every rank can reach, or None for a fresh start; collective over all ranks."""
     t0 = time.perf_counter()
     rank_nodes, collected = take_inventory(ctx.comm, ctx.tiers, ctx.node)
+    ctx.fault(CrashPoint.RECOVER_CONSENSUS, shard.live_version or 0)
     t_inventory = time.perf_counter() - t0
     coordinator = Coordinator(ctx, collected) if collected is not None else None
     plan = coordinated(ctx.comm, partial(coordinator.first, allow_fresh_start) if coordinator else None,
