@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO
+from tools.chaos.campaign import Campaign
 from tools.chaos.catalogue import CATALOGUE
 from tools.chaos.s3_proxy import FaultRule
 
@@ -49,3 +50,14 @@ def test_the_reliability_faults_are_caught_or_fallen_back_from_and_the_job_ends_
     report = _campaign(tmp_path, 4, 3, RELIABILITY)
     assert "4/4 faults recovered as required" in report and "bit-identical" in report
     assert report.count("a transient fault on rank(s)") == 2
+
+
+@pytest.mark.parametrize("restored_first", [False, True])
+def test_a_recurring_crash_must_make_the_guard_fall_back_only_after_a_restored_point(tmp_path, restored_first):
+    """A step that crashes in the job's first launch follows no restored point: the launch after it restores the
+    newest point, as it should. After a restored point, the restart-loop guard must fall back instead."""
+    campaign = Campaign({"faults": 1, "types": ["crash after restore"]}, str(tmp_path))
+    (event,) = campaign.events
+    event.restored_first, event.recovery = restored_first, {"version": 10, "end": 12, "fallback": None}
+    problems = campaign._problems(0, {"step": campaign.iters, "state_digest": "d"}, {"state_digest": "d"})
+    assert bool(problems) == restored_first, problems

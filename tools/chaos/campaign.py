@@ -62,6 +62,7 @@ class Event:
     reached: Optional[int] = None  # last step the launch logged
     detail: str = ""
     recovery: Optional[dict] = None  # the next launch's recovery record
+    restored_first: bool = False  # its first launch restored a point (a recurring crash then loops on it)
     problems: list[str] = field(default_factory=list)
 
 
@@ -216,6 +217,7 @@ class Campaign:
                                              s3_rule=f.s3(event.victim * self.procs) if f.s3 is not None else None)
             if again == 0:
                 self._check_transient(event)
+                event.restored_first = any(r.get("event") == "recovery" for r in read_metrics(self.job))
         event.launch_s = time.monotonic() - t0
         self.proxy.clear()
         if second is not None:
@@ -298,7 +300,8 @@ class Campaign:
     def _problems(self, final_status: int, final: dict, reference: dict) -> list[str]:
         problems = [f"fault {e.index} ({e.fault.name}): {p}" for e in self.events for p in e.problems]
         for e in self.events:
-            if e.fault.recurring and e.recovery is not None and not e.recovery.get("fallback"):
+            # Only a crash that follows a restored point makes a loop; one in a job's first launch follows none.
+            if e.fault.recurring and e.restored_first and e.recovery is not None and not e.recovery.get("fallback"):
                 problems.append(f"fault {e.index} ({e.fault.name}): the launch after it restored the newest point "
                                 f"again instead of falling back (restart-loop guard)")
             if e.recovery is None:
