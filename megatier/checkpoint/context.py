@@ -119,11 +119,9 @@ def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig, comm: Che
     verdict = comm.gather(verdict, what="checkpoint start-up")[0]
     if verdict["refused"] is not None:
         raise (LeaseHeld if verdict["lease_held"] else ConfigError)(verdict["refused"])
-    incarnation, offline = verdict["incarnation"], verdict["offline"]
-    if offline is not None and comm.rank == 0:
-        log.warning("Tier-3 at %s is %s; this launch starts from node memory and uploads once Tier-3 answers "
-                    "(checkpointing degraded until then)", store.url, offline)
-    return RemoteStart(incarnation, lease, offline)
+    # An offline Tier-3 is reported by the restore's decision (consensus.fresh_without): only node memory can
+    # tell whether this launch may start without it.
+    return RemoteStart(verdict["incarnation"], lease, verdict["offline"])
 
 
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,

@@ -127,8 +127,10 @@ def finished(trainer, summary: dict) -> int:
     if trainer.logger.wandb_dir:
         say(f"wandb ({cfg.logging.wandb.mode}): {trainer.logger.wandb_dir}")
     if summary.get("checkpoint_behind"):
+        durable = summary["checkpoint_durable_step"]
+        durable = "none yet" if durable is None else f"v{durable}"
         say(f"checkpoints: Tier-3 is {summary['checkpoint_units_behind']} units behind; the last durable version "
-            f"is {summary['checkpoint_durable_step']} (see the warning above)", err=True)
+            f"is {durable} (see the warning above)", err=True)
     if trainer.interrupted_at is not None:
         resume = f"step {summary['step']}" if trainer.checkpointer is not None else None
         say(interrupted(trainer.interrupted_at, resume), err=True)

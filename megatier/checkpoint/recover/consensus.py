@@ -155,8 +155,7 @@ def _missing_message(bases: list[set[int]], degrees: tuple[int, int, int], looke
     if lost:
         parts.append(f"pipeline stage(s) {lost} lost every copy: checkpoint.last_resort=checkfree rebuilds an "
                      f"intermediate stage from its neighbours (not exact)")
-    return (f"no base version is available for every rank ({'; '.join(parts)}). Looked in {looked}. Refusing to "
-            f"start from random weights; set checkpoint.allow_fresh_start=true to start from scratch anyway")
+    return f"no base version is available for every rank ({'; '.join(parts)}). Looked in {looked}"
 
 
 def by_layout(copies: Iterable[Copy], job_id: str, config: Optional[ConfigCheck] = None
@@ -258,6 +257,28 @@ def agree_without_lost(usable: list[Copy], degrees: tuple[int, int, int]) -> Opt
     return _agree_within(usable, degrees, tuple(lost))
 
 
+def fresh_without(unknown: list[str], known_traces: bool, job_id: str, allow_fresh_start: bool) -> bool:
+    """Whether the launch starts fresh with a tier unlisted (``unknown``: why each was not; Tier-3 offline at
+    start-up). When the tiers that were listed hold nothing of the job, nothing tells a new job from one whose
+    checkpoints are only in the unlisted tier, and random weights would later overwrite them: refused in one
+    line (ConfigRefusal) unless ``allow_fresh_start``. When they hold something, the launch restores from them
+    (False) and Tier-3 catches up once it answers."""
+    if not unknown:
+        return False
+    reason = "; ".join(unknown)
+    if known_traces:
+        log.warning("%s; this launch starts from node memory and uploads once Tier-3 answers (checkpointing "
+                    "degraded until then)", reason)
+        return False
+    if not allow_fresh_start:
+        raise ConfigRefusal(f"refusing to start job {job_id!r}: {reason}. Node memory holds nothing of the job, so "
+                            f"this launch cannot tell a new job from one whose checkpoints are only in Tier-3; make "
+                            f"Tier-3 reachable, or set checkpoint.allow_fresh_start=true to start from scratch")
+    log.warning("%s; starting job %r from scratch (checkpoint.allow_fresh_start=true); it uploads once Tier-3 "
+                "answers (checkpointing degraded until then)", reason, job_id)
+    return True
+
+
 def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], traces: bool, allow_fresh_start: bool,
            looked: str, config: Optional[ConfigCheck] = None, last_resort: str = "stop") -> Optional[Consensus]:
     """The recovery point all ranks agree on, or None for a fresh start (nothing of this job exists).
@@ -287,7 +308,8 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
         if allow_fresh_start:
             log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
             return None
-        raise RecoveryError(message)
+        raise RecoveryError(f"{message}. Refusing to start from random weights; set "
+                            f"checkpoint.allow_fresh_start=true to start from scratch anyway")
     best = max(agreed, key=lambda c: (c.end, c.degrees == degrees, c.version))
     best.ignored = [f"{c.pid} of rank {c.owner} in {c.describe()}: {why}" for c, why in foreign]
     if best.ignored:

@@ -54,6 +54,16 @@ class Inventory:
         return any(listing.traces for ls in self.listings.values() for listing in ls)
 
     @property
+    def unknown(self) -> list[str]:
+        """Why each tier that could not be listed was not (Tier-3 offline at start-up)."""
+        return [listing.unknown for ls in self.listings.values() for listing in ls if listing.unknown]
+
+    @property
+    def known_traces(self) -> bool:
+        """Whether the tiers that could be listed hold anything of this job."""
+        return any(listing.traces for ls in self.listings.values() for listing in ls if not listing.unknown)
+
+    @property
     def progress(self) -> dict[int, int]:
         return {r: s for ls in self.listings.values() for listing in ls for r, s in listing.progress.items()}
 

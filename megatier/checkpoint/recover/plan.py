@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence
 from megatier.checkpoint.comm import CheckpointComm
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.units import BASE
-from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide
+from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide, fresh_without
 from megatier.checkpoint.recover.inventory import Collected, Inventory, RecoveryError, last_step
 from megatier.checkpoint.recover.loops import (
     Fallback,
@@ -157,6 +157,8 @@ class Coordinator:
         rule = self.ctx.reliability
         self.fallback = plan(self.history, rule.loop_window, rule.loop_limit)
         if not self.fallback.level:
+            if fresh_without(self.inv.unknown, self.inv.known_traces, self.ctx.job_id, allow_fresh_start):
+                return self.plans(None)
             consensus = self._agree(set(), allow_fresh_start)
             if consensus is None:
                 log.info("no checkpoint of job %r to recover; starting fresh (looked in %s)", self.ctx.job_id,

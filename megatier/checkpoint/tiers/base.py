@@ -91,6 +91,7 @@ class Listing:
 
     copies: list[Copy] = field(default_factory=list)
     traces: bool = False  # anything of the job exists here (complete or not)
+    unknown: str = ""  # why the tier could not be listed (Tier-3 offline at start-up): it may hold anything
     incomplete: int = 0  # leftovers of crashed writes, never loaded
     progress: dict[int, int] = field(default_factory=dict)  # rank -> newest step it reached (Tier-1)
     fingerprints: dict[str, dict] = field(default_factory=dict)  # fingerprint id -> the config keys it names

@@ -145,7 +145,8 @@ class RemoteTier(Tier):
 
     def list(self) -> Listing:
         if self.offline is not None:  # unknown, not empty: a trace, so a restore never starts fresh over it
-            return Listing(traces=True, notes=[f"{self.where()} was not consulted: {self.offline}"])
+            return Listing(traces=True, unknown=f"{self.where()} is {self.offline}",
+                           notes=[f"{self.where()} was not consulted: {self.offline}"])
         return list_committed(self.store, self.label)
 
     def read(self, copy: Copy) -> EncodedPayload:
