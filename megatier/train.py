@@ -15,7 +15,7 @@ from typing import Optional
 from megatier.config import compose_config
 from megatier.training import inprocess, outcome
 from megatier.training.interrupt import StopRequest
-from megatier.training.outcome import is_rank0, say
+from megatier.training.outcome import is_rank0
 from megatier.training.trainer import Trainer
 
 
@@ -45,8 +45,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         refused = outcome.refusal(e)
         if refused is None:
             raise
-        say(refused[1], err=True)
-        return refused[0]
+        return outcome.refuse(*refused)
     finally:
         inprocess.release_spares(trainer, cfg.recovery if cfg is not None else None)
         outcome.drop_process_group()

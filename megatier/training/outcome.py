@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
@@ -40,6 +41,9 @@ from megatier.training.nonfinite import NonFiniteStep
 EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_DIVERGED = 0, 2, 3, 4, 5
 EXIT_RESTORE_LOOP, EXIT_REFORM_FAILED = 6, 7
 EXIT_INTERRUPTED = 130
+# How long a rank other than 0 keeps a refused launch alive for rank 0 to print its line (rank 0 may have failed
+# otherwise and never will).
+REFUSAL_WAIT_S = 60.0
 # What stops a run as diverged (exit 5): a non-finite step, or a non-finite state about to be checkpointed.
 DIVERGED = (NonFiniteStep, NonFiniteState)
 
@@ -77,6 +81,36 @@ def refusal(error: BaseException) -> Optional[tuple[int, str]]:
         return EXIT_REFORM_FAILED, (f"in-process recovery could not re-form the job: {error}; relaunch it (the "
                                     f"next launch restores from the checkpoints as after any failure)")
     return None
+
+
+def refuse(status: int, line: str) -> int:
+    """Print a refusal's line (rank 0) and return its exit status, once rank 0 has printed it. Under torchrun's
+    agent the first worker to exit makes the agent stop the others, so a rank that reached the refusal before
+    rank 0 (a loaded machine) got rank 0 killed before its line. Rank 0 marks the line said in the agent's
+    store; the other ranks wait for the mark before they exit."""
+    store = _agent_store()
+    key = f"megatier/refusal_said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if is_rank0():
+        say(line, err=True)
+        if store is not None:
+            store.set(key, "1")
+    elif store is not None:
+        try:
+            store.wait([key], timedelta(seconds=REFUSAL_WAIT_S))
+        except RuntimeError:  # rank 0 ended otherwise: its own status tells
+            pass
+    return status
+
+
+def _agent_store() -> Optional[dist.Store]:
+    """The store torchrun's agent serves its workers (None without that agent, or when it cannot be reached)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timedelta(seconds=REFUSAL_WAIT_S))
+    except (KeyError, ValueError, RuntimeError):
+        return None
 
 
 def diverged(trainer, error: BaseException) -> int:
