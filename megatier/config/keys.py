@@ -14,6 +14,24 @@ from typing import Optional
 
 from megatier.config.schema import Config, ConfigError
 
+# Names Megatron-LM, Hugging Face or nanoGPT give a setting -> the field's name here. Spelling alone would
+# point learning_rate at clip_grad; an unknown key with one of these names gets its field instead.
+ALIASES = {
+    "learning_rate": "lr", "max_lr": "lr", "min_learning_rate": "min_lr",
+    "train_iters": "iters", "max_steps": "iters", "num_iters": "iters", "max_iters": "iters",
+    "batch_size": "global_batch_size", "micro_batch": "micro_batch_size",
+    "tensor_model_parallel_size": "tp", "tensor_parallel_size": "tp", "tp_size": "tp",
+    "pipeline_model_parallel_size": "pp", "pipeline_parallel_size": "pp", "pp_size": "pp",
+    "num_attention_heads": "num_heads", "n_head": "num_heads", "n_heads": "num_heads",
+    "num_hidden_layers": "num_layers", "n_layer": "num_layers", "n_layers": "num_layers",
+    "n_embd": "hidden_size", "d_model": "hidden_size",
+    "seq_length": "seq_len", "max_seq_len": "seq_len", "sequence_length": "seq_len", "block_size": "seq_len",
+    "grad_clip": "clip_grad", "clip_grad_norm": "clip_grad", "max_grad_norm": "clip_grad",
+    "warmup_steps": "warmup_iters", "lr_warmup_iters": "warmup_iters", "lr_decay_iters": "decay_iters",
+    "adam_beta1": "beta1", "adam_beta2": "beta2", "adam_eps": "eps",
+    "save_interval": "base_interval", "data_path": "prefix",
+}
+
 
 def _fields(cls) -> dict[str, typing.Any]:
     return {f.name: f.type for f in dataclasses.fields(cls)}
@@ -58,10 +76,15 @@ def unknown_key(key: str, cls=Config) -> Optional[str]:
 
 
 def closest(key: str) -> Optional[str]:
-    """The schema key most like ``key`` (same group first), or None when none is close."""
+    """The schema key ``key``'s last name is an alias of (:data:`ALIASES`), else the one most like it (same
+    group first), or None when none is close."""
     keys = all_keys()
     group = key.rsplit(".", 1)[0] + "." if "." in key else ""
     same_group = [k for k in keys if k.startswith(group) and k.count(".") == key.count(".")]
+    alias = ALIASES.get(key.rsplit(".", 1)[-1])
+    named = [k for k in same_group + keys if alias is not None and k.rsplit(".", 1)[-1] == alias]
+    if named:
+        return named[0]
     for pool in (same_group, keys):
         match = difflib.get_close_matches(key, pool, n=1, cutoff=0.6)
         if match:
