@@ -54,6 +54,9 @@ EXTRAS = {
         "import-linter>=2.1",
         # megatier.interop writes and reads GPT-2 directories without it; the tests load them in transformers.
         "transformers>=4.40",
+        # the reference the LR schedules are tested against (OptimizerParamScheduler); its own dependencies are
+        # torch, numpy and packaging, so the CPU torch installed first stays. Never a runtime dependency.
+        "megatron-core>=0.16,<0.17",
     ],
     # Transformer Engine's PyTorch layers (model.impl=te, train.precision=fp8); build it against the CUDA torch
     # already installed (--no-build-isolation). NVIDIA apex is not on PyPI (the package named apex there is

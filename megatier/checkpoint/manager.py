@@ -37,7 +37,6 @@ or when payloads awaiting transfer exceed ``memory_budget_gib``; all of that is
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Optional, Union
@@ -189,12 +188,12 @@ class CheckpointManager:
         return start, record
 
     def _follow_job(self, recorded: dict[str, str]) -> None:
-        """Take the job's recorded values of the keys this launch left unset (the LR decay horizon): into the
-        optimizer's schedule and into the fingerprint its new units carry."""
+        """Take the job's recorded values of the keys this launch follows (an unset LR decay horizon, or the whole
+        schedule with optim.use_checkpoint_scheduler): into the optimizer's schedule and the fingerprint its new
+        units carry."""
         self.ctx.adopt(recorded)
         self.worker.fingerprint = self.ctx.fingerprint_id
-        if "optim.decay_iters" in recorded:
-            self.shard.set_decay_iters(int(json.loads(recorded["optim.decay_iters"])))
+        self.shard.follow_schedule(recorded)
 
     def _repair(self, quarantined: list[str]) -> None:
         """Offer every tier this rank's surviving copy of each unit restore quarantined (a tier that set one

@@ -13,7 +13,6 @@ count is recorded per step.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -167,9 +166,9 @@ class ShardAccess:
         self.set_grad_sumsq(base.grad_sumsq)
         self.inexact_since = base.inexact_since
 
-    def set_decay_iters(self, steps: int) -> None:
-        """The LR schedule's decay horizon (a relaunch follows the job's recorded one)."""
-        self.optimizer.schedule = dataclasses.replace(self.optimizer.schedule, decay_iters=steps)
+    def follow_schedule(self, recorded: dict[str, str]) -> None:
+        """The LR schedule with the job's recorded values of its followed keys (fingerprint key -> JSON)."""
+        self.optimizer.schedule = self.optimizer.schedule.following(recorded)
 
     def load_state(self, tensors: dict[str, torch.Tensor], adam_steps: int, loss_scaler: Optional[dict],
                    what: str) -> None:

@@ -9,7 +9,8 @@ such as ``optim.lr``).
 
 Included: every model and optimizer setting (the LR schedule's decay horizon
 resolved, since it defaults to ``train.iters``; left unset, a relaunch follows
-the horizon recorded with the job: :func:`followed_keys`), the tp/pp layout, the data
+the horizon recorded with the job, and with ``optim.use_checkpoint_scheduler``
+the whole recorded schedule: :func:`followed_keys`), the tp/pp layout, the data
 window (sequence length, split, sampler seed) and the checksum of the token
 file, the batch sizes, seed and precision. Not included: ``train.iters`` (a
 resumed run may train longer), evaluation, logging, devices, threads, paths
@@ -47,13 +48,22 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
     fp.pop("model.init_from")  # a path that seeds step 0 only; a restore replaces what it set
     for key in ("model.impl", "model.layernorm_impl", "optim.grad_norm_impl"):
         fp.pop(key)  # which library computes the same function: a relaunch may switch it
+    fp.pop("optim.use_checkpoint_scheduler")  # how a resume treats the recorded schedule, not a state
     return fp
 
 
+# The LR schedule's keys, which optim.use_checkpoint_scheduler takes from the job's record.
+SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.warmup_iters", "optim.warmup_fraction", "optim.warmup_init_lr",
+                 "optim.decay_iters", "optim.decay_style", "optim.wsd_decay_iters", "optim.wsd_decay_style")
+
+
 def followed_keys(cfg: Config) -> tuple[str, ...]:
-    """Fingerprint keys this launch takes from the job's record instead of comparing: an unset
-    ``optim.decay_iters`` follows the horizon the job's first launch resolved (its ``train.iters`` then), so a
-    relaunch with more ``train.iters`` trains longer on the same schedule; set it to change the schedule."""
+    """Fingerprint keys this launch takes from the job's record instead of comparing: the whole LR schedule with
+    ``optim.use_checkpoint_scheduler``; else an unset ``optim.decay_iters`` follows the horizon the job's first
+    launch resolved (its ``train.iters`` then), so a relaunch with more ``train.iters`` trains longer on the same
+    schedule; set it to change the schedule."""
+    if cfg.optim.use_checkpoint_scheduler:
+        return SCHEDULE_KEYS
     return ("optim.decay_iters",) if cfg.optim.decay_iters is None else ()
 
 

@@ -97,15 +97,33 @@ class ParallelConfig:
         return world_size // (self.tp * self.pp)
 
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "wsd")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with warmup + cosine decay, global-norm clipping and a dynamic loss scaler."""
+    """AdamW with a warmup + decay LR schedule, global-norm clipping and a dynamic loss scaler. The schedule
+    follows Megatron-core's (docs/configuration.md maps its flags to these keys)."""
 
     lr: float = 6e-4
     min_lr: float = 6e-5
     warmup_iters: int = 10
+    # Set: the warmup is this fraction of decay_iters instead (then warmup_iters must be 0).
+    warmup_fraction: Optional[float] = None
+    # The rate the warmup starts from.
+    warmup_init_lr: float = 0.0
     # None: decay over the whole run (train.iters).
     decay_iters: Optional[int] = None
+    # After the warmup: constant | linear | cosine | inverse-square-root | wsd (warmup-stable-decay: lr until
+    # the last wsd_decay_iters steps of decay_iters, then down to min_lr by wsd_decay_style).
+    decay_style: str = "cosine"
+    wsd_decay_iters: Optional[int] = None
+    wsd_decay_style: str = "exponential"  # exponential | linear | cosine | minus_sqrt
+    # true: a resume follows the schedule recorded with the job (the keys lr to wsd_decay_style above), whatever
+    # this config sets; false: a changed schedule is refused unless checkpoint.allow_changes names its keys.
+    # Not part of the fingerprint.
+    use_checkpoint_scheduler: bool = False
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8

@@ -15,7 +15,9 @@ from typing import Optional
 from megatier.config.fast_path_validation import check_fast_path_config
 from megatier.config.schema import (
     ARCHS,
+    LR_DECAY_STYLES,
     RECOMPUTE,
+    WSD_DECAY_STYLES,
     Config,
     DataConfig,
     ModelConfig,
@@ -121,6 +123,7 @@ def _validate_optim(o: OptimConfig) -> None:
     _require(0 <= o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} must be in [0, optim.lr={o.lr}]")
     _require(o.warmup_iters >= 0, f"optim.warmup_iters={o.warmup_iters} must be >= 0")
     _require(o.decay_iters is None or o.decay_iters > 0, f"optim.decay_iters={o.decay_iters} must be positive")
+    _validate_schedule(o)
     for key in ("beta1", "beta2"):
         value = getattr(o, key)
         _require(0.0 <= value < 1.0, f"optim.{key}={value} must be in [0, 1)")
@@ -129,6 +132,23 @@ def _validate_optim(o: OptimConfig) -> None:
     _require(o.clip_grad >= 0, f"optim.clip_grad={o.clip_grad} must be >= 0 (0 disables clipping)")
     _require(o.initial_loss_scale >= o.min_loss_scale > 0, "optim.initial_loss_scale must be >= optim.min_loss_scale "
                                                            "> 0")
+
+
+def _validate_schedule(o: OptimConfig) -> None:
+    """The decay style and its settings, as Megatron's --lr-* flags allow them."""
+    _require(o.decay_style in LR_DECAY_STYLES,
+             f"optim.decay_style={o.decay_style!r} must be one of {', '.join(LR_DECAY_STYLES)}")
+    _require(o.wsd_decay_style in WSD_DECAY_STYLES,
+             f"optim.wsd_decay_style={o.wsd_decay_style!r} must be one of {', '.join(WSD_DECAY_STYLES)}")
+    _require(o.decay_style != "wsd" or o.wsd_decay_iters is not None,
+             "optim.decay_style=wsd needs optim.wsd_decay_iters, the steps of its final decay")
+    _require(o.wsd_decay_iters is None or 0 < o.wsd_decay_iters <= (o.decay_iters or o.wsd_decay_iters),
+             f"optim.wsd_decay_iters={o.wsd_decay_iters} must be in [1, optim.decay_iters={o.decay_iters}]")
+    _require(0 <= o.warmup_init_lr <= o.lr, f"optim.warmup_init_lr={o.warmup_init_lr} must be in [0, optim.lr={o.lr}]")
+    if o.warmup_fraction is not None:
+        _require(0 <= o.warmup_fraction < 1, f"optim.warmup_fraction={o.warmup_fraction} must be in [0, 1)")
+        _require(o.warmup_iters == 0, f"optim.warmup_fraction and optim.warmup_iters={o.warmup_iters} both set the "
+                                      f"warmup; set optim.warmup_iters=0")
 
 
 def _validate_recovery(r: RecoveryConfig) -> None:

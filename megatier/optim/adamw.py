@@ -36,7 +36,7 @@ from megatier.optim.flat import FlatLayout, ranges_tensor
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.grad_norm import local_sumsq
 from megatier.optim.loss_scaler import DynamicLossScaler
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import LRSchedule
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -59,7 +59,7 @@ class StepStats:
 class DistributedAdamW:
     def __init__(self, cfg: OptimConfig, layout: FlatLayout, param_flat: torch.Tensor, grads: GradBuffer, *,
                  dp_rank: int, dp_group: dist.ProcessGroup, norm_group: dist.ProcessGroup,
-                 schedule: WarmupCosine, scaler: Optional[DynamicLossScaler] = None):
+                 schedule: LRSchedule, scaler: Optional[DynamicLossScaler] = None):
         self.cfg, self.layout, self.param_flat, self.grads = cfg, layout, param_flat, grads
         self.dp_rank, self.dp_group, self.norm_group = dp_rank, dp_group, norm_group
         self.schedule, self.scaler = schedule, scaler

@@ -48,7 +48,7 @@ from megatier.optim.canonical import ShardState
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import schedule_of
 from megatier.parallel.checkfree_plus import sync_replica_grads
 from megatier.parallel.p2p import PipelineComm
 from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes
@@ -207,7 +207,7 @@ class Trainer(InPlaceRecovery):
 
     def _build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
-        schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_iters, o.decay_iters or t.iters)
+        schedule = schedule_of(o, t.iters, t.global_batch_size)
         scaler = None
         if t.precision == "fp16":
             scaler = DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)

@@ -43,7 +43,7 @@ from megatier.data.tokenizer import ByteTokenizer
 from megatier.model.params import stage_parameters, stage_spec
 from megatier.optim.flat import FlatLayout, ShardSegment
 from megatier.optim.loss_scaler import DynamicLossScaler
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import LRSchedule, schedule_of
 from megatier.parallel.layout import Layout, coordinates_of
 
 # Steps from a base until node memory learns it is committed (the watermark): its upload commits within the
@@ -170,7 +170,7 @@ class _PlannedOptimizer:
 
     shard_segments: list[ShardSegment]
     master: torch.Tensor
-    schedule: WarmupCosine
+    schedule: LRSchedule
     scaler: Optional[DynamicLossScaler]
     adam_steps: int
     last_sumsq: Optional[torch.Tensor] = None
@@ -184,7 +184,7 @@ def rank_sizes(cfg: Config, layout: Layout, node: int, vocab: int) -> RankSizes:
     scaler = None
     if t.precision == "fp16":
         scaler = DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)
-    schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_iters, o.decay_iters or t.iters)
+    schedule = schedule_of(o, t.iters, t.global_batch_size)
     step = max(t.iters, c.diff.batch)
     meta = torch.empty(numel, dtype=torch.float32, device="meta")
     shard = ShardAccess(_PlannedOptimizer(segments, meta, schedule, scaler, step), t.global_batch_size)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatier.config import ModelConfig
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import LRSchedule
 from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
@@ -49,7 +49,7 @@ def _reference(hf_dir: str, batches, cfg) -> list[float]:
     rest = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
                             lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    schedule = WarmupCosine(o.lr, o.min_lr, o.warmup_iters, o.decay_iters)
+    schedule = LRSchedule(o.lr, o.min_lr, o.warmup_iters, o.decay_iters)
     losses = []
     for step, mbs in enumerate(batches, start=1):
         opt.zero_grad()

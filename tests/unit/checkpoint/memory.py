@@ -27,7 +27,7 @@ from megatier.config import CheckpointConfig, DiffStreamConfig, OptimConfig
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import LRSchedule
 from megatier.parallel.layout import Layout
 
 JOB = "memjob"
@@ -129,7 +129,7 @@ def tiny_shard(iters: int = 40) -> tuple[DistributedAdamW, ShardAccess]:
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=None)
     cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=0.1)
     opt = DistributedAdamW(cfg, layout, flat, grads, dp_rank=0, dp_group=None, norm_group=None,
-                           schedule=WarmupCosine(1e-2, 1e-3, 3, iters))
+                           schedule=LRSchedule(1e-2, 1e-3, 3, iters))
     opt._model = model  # keep the parameters' owner alive with the flat buffer
     return opt, ShardAccess(opt, global_batch_size=4)
 

@@ -13,7 +13,7 @@ from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters, ranges_tensor
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import LRSchedule
 from megatier.parallel.layers import mark_partition
 
 
@@ -58,7 +58,7 @@ def test_distributed_adamw_matches_torch_with_groups_and_clipping(process_group)
     flat = flatten_parameters(ours, layout, torch.float32, torch.device("cpu"))
     grads = GradBuffer(ours, layout, torch.device("cpu"), dp_group=process_group.dp_group)
     opt = DistributedAdamW(cfg, layout, flat, grads, dp_rank=0, dp_group=process_group.dp_group,
-                           norm_group=process_group.world_group, schedule=WarmupCosine(1e-2, 1e-2, 0, 100))
+                           norm_group=process_group.world_group, schedule=LRSchedule(1e-2, 1e-2, 0, 100))
     decay = [p for p in theirs.parameters() if p.dim() >= 2]
     no_decay = [p for p in theirs.parameters() if p.dim() < 2]
     ref = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
@@ -101,7 +101,7 @@ def test_ranges_tensor_merges_adjacent():
 
 
 def test_warmup_cosine_schedule():
-    s = WarmupCosine(lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110)
+    s = LRSchedule(lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110)
     assert s(1) == pytest.approx(0.1) and s(10) == pytest.approx(1.0)
     assert s(60) == pytest.approx(0.1 + 0.5 * 0.9)
     assert s(110) == pytest.approx(0.1) and s(500) == pytest.approx(0.1)
@@ -132,7 +132,7 @@ def test_overflow_skips_step(process_group):
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=process_group.dp_group)
     scaler = DynamicLossScaler(8.0, 1.0, 100, 1)
     opt = DistributedAdamW(OptimConfig(), layout, flat, grads, dp_rank=0, dp_group=process_group.dp_group,
-                           norm_group=process_group.world_group, schedule=WarmupCosine(1e-3, 1e-4, 0, 10),
+                           norm_group=process_group.world_group, schedule=LRSchedule(1e-3, 1e-4, 0, 10),
                            scaler=scaler)
     before = opt.master.clone()
     grads.flat[0] = math.inf
@@ -149,7 +149,7 @@ def test_a_gradient_whose_square_overflows_fp32_skips_the_step(process_group):
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=process_group.dp_group)
     opt = DistributedAdamW(OptimConfig(clip_grad=0.0), layout, flat, grads, dp_rank=0,
                            dp_group=process_group.dp_group, norm_group=process_group.world_group,
-                           schedule=WarmupCosine(1e-3, 1e-4, 0, 10))
+                           schedule=LRSchedule(1e-3, 1e-4, 0, 10))
     before = opt.master.clone()
     grads.flat[3] = 3e19  # finite, 9e38 squared
     stats = opt.step(1)

@@ -42,7 +42,7 @@ from megatier.config import CheckpointConfig, DiffStreamConfig, LocalTierConfig,
 from megatier.optim.adamw import DistributedAdamW
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
-from megatier.optim.schedule import WarmupCosine
+from megatier.optim.schedule import LRSchedule
 from megatier.parallel.state import build_parallel_state
 from tests.distributed.world import run_world
 
@@ -75,7 +75,7 @@ def _optimizer(ps) -> tuple[DistributedAdamW, ShardAccess]:
     grads = GradBuffer(model, layout, torch.device("cpu"), dp_group=ps.dp_group)
     cfg = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_iters=3, weight_decay=0.1)
     opt = DistributedAdamW(cfg, layout, flat, grads, dp_rank=ps.dp_rank, dp_group=ps.dp_group,
-                           norm_group=ps.world_group, schedule=WarmupCosine(1e-2, 1e-3, 3, STEPS))
+                           norm_group=ps.world_group, schedule=LRSchedule(1e-2, 1e-3, 3, STEPS))
     opt._model = model  # keep the parameters' owner alive with the flat buffer
     return opt, ShardAccess(opt, global_batch_size=4)
 
