@@ -35,6 +35,8 @@ INSTALL_REQUIRES = [
     "fsspec>=2023.1",
     "boto3>=1.28",
     "tqdm>=4.60",
+    # process titles: which rank or spare a process is, in ps and top
+    "setproctitle>=1.3",
     "tokenizers>=0.15",
     # the Checkflow capture schedule (scipy.optimize.milp, HiGHS)
     "scipy>=1.9",

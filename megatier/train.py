@@ -28,6 +28,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     stop = StopRequest(announce=is_rank0()).install()
     trainer = cfg = None
     try:
+        inprocess.name_process()
         cfg = compose_config(overrides)
         needed, membership = inprocess.wait_if_spare(cfg)  # a hot spare waits
         if not needed:

@@ -74,7 +74,25 @@ class Child:
     member: str
     process: subprocess.Popen
     reported: Optional[int] = None  # rounds decided when its death was reported (None: not dead)
-    holds_rank: bool = False  # holds a rank of the current world (as far as this agent has read the rounds)
+    rank: Optional[int] = None  # its rank in the current world (as far as this agent has read the rounds)
+
+    @property
+    def holds_rank(self) -> bool:
+        return self.rank is not None
+
+    def describe(self) -> str:
+        """Who it is, for the console: member id, rank (or spare) and pid."""
+        return f"{self.member} ({'spare' if self.rank is None else f'rank {self.rank}'}, pid {self.process.pid})"
+
+
+def death(returncode: int) -> str:
+    """How a process ended, in words: a signal by its name, else its exit status."""
+    if returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with status {returncode}"
 
 
 class NodeAgent:
@@ -115,7 +133,7 @@ class NodeAgent:
         for local in range(self.procs):
             member = f"{self.node}/{local}"
             env = self._env(member, self.node_rank * self.procs + local, local)
-            self.children.append(Child(member, self._spawn(command, env), holds_rank=True))
+            self.children.append(Child(member, self._spawn(command, env), rank=self.node_rank * self.procs + local))
         for k in range(self.spares):
             member = f"{self.node}/spare{k}"
             self.children.append(Child(member, self._spawn(command, self._env(member, None, 0))))
@@ -139,6 +157,7 @@ class NodeAgent:
             if code not in (None, 0) and child.reported is None:
                 child.reported = MembershipRound.decided_epochs(self.store, self.prefix)
                 MembershipRound(self.store, 0, self.prefix).report_dead(child.member)
+                self._say(f"{child.describe()} {death(code)}; reported to the membership round")
         self._follow_rounds()
         return any(c.process.poll() is None for c in self.children)
 
@@ -150,12 +169,16 @@ class NodeAgent:
             if assignment is None:
                 continue
             for child in self.children:
-                holds = child.member in assignment.holders
-                if child.holds_rank and not holds and child.member not in assignment.idle \
+                rank = assignment.rank_of(child.member)
+                if child.holds_rank and rank is None and child.member not in assignment.idle \
                         and child.process.poll() is None:
+                    self._say(f"{child.describe()} was left out of round {self._read_rounds} (hung); killing it")
                     child.process.kill()  # hung: the job went on without it (this round replaced it)
                     child.reported = self._read_rounds - 1
-                child.holds_rank = holds
+                child.rank = rank
+
+    def _say(self, line: str) -> None:
+        print(f"megatier-agent {self.node}: {line}", file=sys.stderr, flush=True)
 
     def _replaced(self, child: Child, wait_s: float) -> bool:
         """Whether a round after ``child``'s death formed a world without it; waits up to ``wait_s`` for one

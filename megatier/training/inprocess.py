@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import setproctitle
 import torch.distributed as dist
 
 from megatier.config import Config, ConfigError, RecoveryConfig, validate
@@ -188,10 +189,21 @@ class Membership:
             log.warning("could not tell the idle spares that the job ended: %s", e)
 
 
+def name_process(rank: Optional[int] = None) -> None:
+    """Title this process for ``ps`` and ``top``: ``megatier <member id> rank <r>``, or ``spare`` while it waits
+    (``megatier rank <r>`` under a launcher that gives no member id), so a user can tell the processes apart."""
+    rank = rank if rank is not None else (int(os.environ["RANK"]) if "RANK" in os.environ and not is_spare()
+                                          else None)
+    who = os.environ.get(ENV_MEMBER)
+    role = "spare" if rank is None else f"rank {rank}"
+    setproctitle.setproctitle(f"megatier {who} {role}" if who else f"megatier {role}")
+
+
 def become_rank(membership: Membership, rank: int) -> None:
     """The environment of a process that now holds ``rank`` of the current world. Its local rank is its place
     among its node's ranks, so a spare takes the lost rank's ring position (same local rank, its ring peer)."""
     world = membership.world
+    name_process(rank)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(len(world))
     os.environ["LOCAL_RANK"] = str([r for r, m in enumerate(world) if m.node == world[rank].node].index(rank))

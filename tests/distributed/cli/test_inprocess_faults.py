@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def test_a_second_failure_during_the_recovery_starts_another_round(tmp_path, dri
     run = launch(tmp_path, f"train.step_end:12:1,{second}")
     assert_recovered_exactly(run, drill_reference)
     assert "in-process recovery could not re-form" not in run["output"]
+    # The agent says which process died, and how.
+    assert re.search(r"megatier-agent node0: node0/1 \(rank 1, pid \d+\) was killed by SIGKILL", run["output"])
     assert run["recoveries"] and all(r["end"] >= 11 for r in run["recoveries"]), run["recoveries"]
 
 

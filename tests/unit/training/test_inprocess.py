@@ -3,6 +3,8 @@ environment of a process that takes a rank, and a spare's wait for one."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -113,3 +115,25 @@ def test_without_a_spare_the_broken_replicas_survivor_becomes_a_spare_or_the_rou
         return
     kept = [member_of("node1/0"), member_of("node1/1")]
     assert got == {"node0/0": (None, world), "node1/0": (0, kept), "node1/1": (1, kept)}
+
+
+@pytest.mark.parametrize("env,title", [({"MEGATIER_MEMBER_ID": "node1/spare0", "MEGATIER_SPARE": "1"},
+                                        "megatier node1/spare0 spare"),
+                                       ({"MEGATIER_MEMBER_ID": "node1/1", "RANK": "3"}, "megatier node1/1 rank 3"),
+                                       ({"RANK": "2"}, "megatier rank 2")])
+def test_ps_tells_ranks_and_spares_apart(env, title):
+    code = ("from megatier.training.inprocess import name_process; name_process(); "
+            "print(open('/proc/self/cmdline').read())")
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "MEGATIER_MEMBER_ID", "MEGATIER_SPARE")}
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip("\x00\n") == title, out.stderr
+
+
+def test_the_agent_says_which_process_died_and_how():
+    from megatier.launcher.agent import Child, death
+
+    child = Child("node1/0", subprocess.Popen([sys.executable, "-c", "pass"]), rank=2)
+    child.process.wait()
+    assert child.describe() == f"node1/0 (rank 2, pid {child.process.pid})"
+    assert death(-9) == "was killed by SIGKILL" and death(1) == "exited with status 1"
+    assert Child("node1/spare0", child.process).describe().startswith("node1/spare0 (spare, pid ")
