@@ -8,12 +8,11 @@ Arguments are Hydra overrides of the config groups in configs/ (docs/configurati
 """
 from __future__ import annotations
 
-import logging
 import sys
 from typing import Optional
 
 from megatier.config import compose_config
-from megatier.training import inprocess, outcome
+from megatier.training import console, inprocess, outcome
 from megatier.training.interrupt import StopRequest
 from megatier.training.outcome import is_rank0
 from megatier.training.trainer import Trainer
@@ -24,7 +23,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if {"-h", "--help"} & set(overrides):
         print(__doc__)
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+    console.set_up()
     stop = StopRequest(announce=is_rank0()).install()
     trainer = cfg = None
     try:
