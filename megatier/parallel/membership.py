@@ -116,6 +116,23 @@ class MembershipRound:
         self.store.set(f"{self.key}/member/{slot}", json.dumps({"id": member.id, "node": member.node, "step": step}))
         return survivor and self.store.add(f"{self.key}/survivors", 1) == 1
 
+    def publish_world(self, ids: list[str]) -> None:
+        """The launch's world (member id by rank), for the spares: epoch 0 has no decision that lists it."""
+        self.store.set(f"{self._root}/world", json.dumps(ids))
+
+    def world_lost(self, leases: "NodeLeases") -> bool:
+        """Whether every holder of the job's current world is dead: no survivor is left to start a round, so a
+        spare waiting for one would wait forever."""
+        decided = self.decided_epochs(self.store, self._root)
+        if decided:
+            assignment = MembershipRound(self.store, decided, self._root).outcome(1.0).assignment
+            holders = list(assignment.holders) if assignment is not None else []
+        else:
+            listed = self.store.check([f"{self._root}/world"])
+            holders = json.loads(self.store.get(f"{self._root}/world")) if listed else []
+        world = [Member(h, h.rpartition("/")[0]) for h in holders]
+        return bool(world) and {m.id for m in world} <= self._lost_members(world, leases)
+
     def arrive(self) -> None:
         """A holder of the world this round formed is ready for its process groups."""
         self.store.add(f"{self.key}/arrived", 1)

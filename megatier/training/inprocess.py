@@ -37,7 +37,7 @@ import torch.distributed as dist
 from megatier.config import Config, ConfigError, RecoveryConfig, validate
 from megatier.launcher.agent import ENV_MEMBER, ENV_RUN, ENV_SPARE, ENV_STORE, connect_store, run_prefix
 from megatier.parallel.assignment import Assignment, Member
-from megatier.parallel.membership import MembershipRound
+from megatier.parallel.membership import MembershipRound, NodeLeases
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,8 @@ class Membership:
         ids: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(ids, self.me.id, group=group)
         self.world = [member_of(i) for i in ids]
+        if dist.get_rank(group) == 0:
+            MembershipRound(self.store, 0, self.prefix).publish_world(ids)
 
     # ---- survivors -----------------------------------------------------------------------------
 
@@ -163,14 +165,21 @@ class Membership:
 
     def await_rank(self) -> Optional[int]:
         """A spare's wait: join each round until one gives this process a rank (returned), or the job ends
-        (None: the launch finished, or a round failed and the launch is ending)."""
+        (None: the launch finished, or a round failed and the launch is ending). RoundFailed when every rank
+        of the job died at once: no survivor is left to start a round."""
         self.epoch = MembershipRound.decided_epochs(self.store, self.prefix) + 1
+        leases, looked = NodeLeases(self.store, self.prefix, self.cfg.node_lease_s), time.monotonic()
         while True:
             rnd = MembershipRound(self.store, self.epoch, self.prefix)
             rnd.join(self.me, survivor=False)
             while not rnd.decided():
                 if MembershipRound.finished(self.store, self.prefix):
                     return None
+                if time.monotonic() - looked > _DEAD_POLL_S:
+                    looked = time.monotonic()
+                    if rnd.world_lost(leases):
+                        raise RoundFailed("every rank of the job was lost at once, so no survivor is left to "
+                                          "re-form it")
                 time.sleep(_SPARE_POLL_S)
             outcome = rnd.outcome(timeout_s=1.0)
             role = outcome.role(self.me.id, spare=True)

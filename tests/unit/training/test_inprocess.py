@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megatier.config import RecoveryConfig
 from megatier.launcher.agent import run_prefix
 from megatier.parallel.assignment import Member
-from megatier.parallel.membership import MembershipRound
+from megatier.parallel.membership import MembershipRound, beat
 from megatier.training import inprocess
 from megatier.training.inprocess import Membership, become_rank, member_of, store_address
 
@@ -87,6 +87,40 @@ def test_an_idle_spare_stops_waiting_when_the_job_ends(monkeypatch):
     spare = Membership.connect(cfg, timeout_s=30)
     MembershipRound.finish(server, spare.prefix)
     assert spare.await_rank() is None
+
+
+@pytest.mark.parametrize("lost", ["reported", "lease"])
+def test_a_spare_ends_with_a_round_failure_when_every_rank_of_the_job_is_lost(monkeypatch, lost):
+    """Every rank died at once (a rack, or each reported by its agent): no survivor will start a round, so a
+    spare must not wait for one forever; a machine whose agent stopped beating counts as lost with its ranks."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv(inprocess.ENV_MEMBER, "node2/spare0")
+    cfg = RecoveryConfig(store=f"127.0.0.1:{server.port}", node_lease_s=0.5)
+    spare = Membership.connect(cfg, timeout_s=30)
+    world = ["node0/0", "node0/1", "node1/0", "node1/1"]
+    MembershipRound(server, 0, spare.prefix).publish_world(world)
+    if lost == "reported":
+        for member in world:
+            MembershipRound(server, 0, spare.prefix).report_dead(member)
+    else:
+        for node in ("node0", "node1", "node2"):
+            beat(server, spare.prefix, node)  # node0 and node1 beat once, then their agents die
+        threading.Thread(target=lambda: [beat(server, spare.prefix, "node2") or time.sleep(0.1)
+                                         for _ in range(40)], daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(inprocess.RoundFailed, match="every rank of the job was lost at once"):
+        spare.await_rank()
+    assert time.monotonic() - started < 3.0
+
+
+def test_a_spare_keeps_waiting_while_a_rank_of_the_job_lives(monkeypatch):
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    monkeypatch.setenv(inprocess.ENV_MEMBER, "node0/spare0")
+    spare = Membership.connect(RecoveryConfig(store=f"127.0.0.1:{server.port}"), timeout_s=30)
+    MembershipRound(server, 0, spare.prefix).publish_world(["node0/0", "node1/0"])
+    MembershipRound(server, 0, spare.prefix).report_dead("node1/0")
+    threading.Timer(1.0, MembershipRound.finish, args=(server, spare.prefix)).start()
+    assert spare.await_rank() is None  # waited until the job ended, not a failure
 
 
 @pytest.mark.parametrize("shrink", [True, False])
