@@ -204,7 +204,8 @@ def render_plan(sp: SizePlan, cfg: Config) -> str:
     """The plan as a report: the setting, payloads per rank, what each tier keeps, node memory, Tier-3 in all."""
     c, d, p = sp.ckpt, sp.ckpt.diff, cfg.parallel
     params = count_parameters(cfg.model, sp.vocab[0])
-    lines = [f"size plan: model {cfg.model.name} ({params / 1e6:.1f}M parameters, vocabulary {sp.vocab[0]} from "
+    millions = f"{params / 1e6:.{1 if params >= 1e6 else 2}f}"  # two figures for a model under a million
+    lines = [f"size plan: model {cfg.model.name} ({millions}M parameters, vocabulary {sp.vocab[0]} from "
              f"{sp.vocab[1]}), tp={p.tp} pp={p.pp} dp={p.dp(sp.cluster.world_size)} on {sp.cluster.nodes} nodes x "
              f"{sp.cluster.procs_per_node} processes",
              f"checkpoint: job {c.job_id!r}, diff {d.compression} (top-k {d.topk_ratio}, int8 below "
