@@ -24,9 +24,13 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
 [ "${1:-}" = "--dry" ] && DRY=1
+WHEELS="${GPU_WHEELS:-build/gpu-wheels}"
+if ! compgen -G "$WHEELS/*.whl" > /dev/null; then  # every phase but env needs them: say so once, run none
+    echo "gpu-check: no wheels in $WHEELS; run \`make gpu-wheels\` first (it fetches the pure-Python wheels the GPU machine lacks)" >&2
+    exit 2
+fi
 OUT="${OUT:-$(mktemp -d /tmp/megatier-gpu-check.XXXXXX)}"
 PY="${PYTHON:-python3}"
-WHEELS="${GPU_WHEELS:-build/gpu-wheels}"
 SITE="$(mktemp -d /tmp/megatier-site.XXXXXX)"
 mkdir -p "$OUT"
 : > "$OUT/summary.txt"
