@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Optional
 
 from megatier.config.fast_path_validation import check_fast_path_config
@@ -28,6 +29,10 @@ from megatier.config.schema import (
     ffn_size,
 )
 from megatier.config.schema import require as _require
+
+
+class ConfigWarning(UserWarning):
+    """A setting that is valid but has no effect here (the run goes on; the line says why and what to change)."""
 
 
 def _validate_arch(m: ModelConfig, tp: int) -> None:
@@ -79,8 +84,8 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
     if m.init_from is not None:
         config_json = os.path.join(os.path.expanduser(m.init_from), "config.json")
         _require(os.path.isfile(config_json),
-                 f"model.init_from={m.init_from!r}: {config_json} does not exist; give a Hugging Face GPT-2 "
-                 f"directory (save_pretrained or megatier's export) or unset model.init_from")
+                 f"model.init_from={m.init_from!r}: {config_json} does not exist; give a Hugging Face GPT-2 or "
+                 f"Llama directory (save_pretrained or megatier-convert export) or unset model.init_from")
 
 
 def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
@@ -172,8 +177,12 @@ def _validate_data(d: DataConfig, m: ModelConfig) -> None:
     _require(0.0 <= d.val_fraction < 1.0, f"data.val_fraction={d.val_fraction} must be in [0, 1)")
     _require(d.tokenizer in ("byte", "bpe"), f"data.tokenizer={d.tokenizer!r} must be byte or bpe")
     if d.prefix is not None:
+        stem, named = os.path.splitext(d.prefix)
         for suffix in (".bin", ".idx"):
             path = os.path.expanduser(d.prefix) + suffix
+            _require(os.path.isfile(path) or named not in (".bin", ".idx"),
+                     f"data.prefix={d.prefix!r} names one of the dataset's files; data.prefix is their path without "
+                     f".bin or .idx: data.prefix={stem}")
             _require(
                 os.path.isfile(path),
                 f"data.prefix={d.prefix!r}: {path} does not exist; build it with megatier-preprocess "
@@ -213,6 +222,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)
+    if p.sequence_parallel and p.tp == 1:
+        warnings.warn("parallel.sequence_parallel=true does nothing at parallel.tp=1: it cuts activations across the "
+                      "tensor-parallel ranks; set parallel.tp > 1, or leave it unset", ConfigWarning, stacklevel=2)
     if p.sequence_parallel and p.tp > 1:
         _require(cfg.data.seq_len % p.tp == 0, f"parallel.sequence_parallel cuts the sequence across tp: "
                                                f"data.seq_len={cfg.data.seq_len} must be a multiple of "
