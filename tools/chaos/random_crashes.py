@@ -107,6 +107,7 @@ def digest(work: Path) -> Optional[str]:
 
 def run_case(case: Case, work: Path, reference: str, timeout_s: float) -> None:
     case.status, out = launch(work, ",".join(case.faults), timeout_s)
+    (work / "launch.log").write_text(out)
     case.fired = [line.split("MEGATIER_CRASH_AT: ")[1] for line in out.splitlines() if "MEGATIER_CRASH_AT: " in line]
     case.recoveries = [r for r in metrics(work) if "recovery_total_s" in r]
     if "Traceback" in out:
@@ -116,6 +117,7 @@ def run_case(case: Case, work: Path, reference: str, timeout_s: float) -> None:
     elif case.status == 7:
         case.ended = "exit 7 + relaunch"
         case.status, out = launch(work, None, timeout_s)
+        (work / "relaunch.log").write_text(out)
     else:
         case.problems.append(f"exit {case.status}: {_last_lines(out)}")
         return
