@@ -3,18 +3,20 @@
     megatier-train model=tiny train.iters=20                    (python pretrain_gpt.py ... is the same)
     megatier-run --nproc-per-node 4 -m megatier.train model=small parallel.tp=2 (torchrun, but exits as we do)
 
-Arguments are Hydra overrides of the config groups in configs/ (docs/configuration.md). Exit statuses:
-:mod:`megatier.training.outcome`.
+Arguments are Hydra overrides of the config groups in configs/ (docs/configuration.md); ``--cfg job`` prints
+the config they compose to and exits, as Hydra's flag does. Exit statuses: :mod:`megatier.training.outcome`.
 """
 from __future__ import annotations
 
 import sys
 from typing import Optional
 
-from megatier.config import compose_config
+from omegaconf import OmegaConf
+
+from megatier.config import ConfigError, compose_config
 from megatier.training import console, inprocess, outcome
 from megatier.training.interrupt import StopRequest
-from megatier.training.outcome import is_rank0
+from megatier.training.outcome import is_rank0, say
 from megatier.training.trainer import Trainer
 
 
@@ -23,6 +25,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if {"-h", "--help"} & set(overrides):
         print(__doc__)
         return 0
+    if {"--cfg", "-c"} & set(overrides):
+        return print_config(overrides)
     console.set_up()
     stop = StopRequest(announce=is_rank0()).install()
     trainer = cfg = None
@@ -51,6 +55,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         outcome.drop_process_group()
         stop.uninstall()
     return outcome.finished(trainer, summary)
+
+
+def print_config(argv: list[str]) -> int:
+    """Hydra's ``--cfg job`` (or ``-c job``): print the composed config as YAML, train nothing. Hydra's own
+    config (``--cfg hydra``, ``all``) is not the job's business here: one line, exit 2."""
+    flag = "--cfg" if "--cfg" in argv else "-c"
+    at = argv.index(flag)
+    part = argv[at + 1] if at + 1 < len(argv) else None
+    try:
+        if part != "job":
+            given = f"{flag} {part}" if part else flag
+            raise ConfigError(f"{given} is not supported: {flag} job prints the job's config (Hydra's own config "
+                              f"does not apply to megatier-train)")
+        cfg = compose_config(argv[:at] + argv[at + 2:])
+    except ConfigError as e:
+        return outcome.refuse(outcome.EXIT_CONFIG, f"config error: {e}")
+    say(OmegaConf.to_yaml(OmegaConf.structured(cfg)).rstrip("\n"))
+    return 0
 
 
 if __name__ == "__main__":
