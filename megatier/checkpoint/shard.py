@@ -99,7 +99,7 @@ class ShardAccess:
             version=version, adam_steps=o.adam_steps,
             master=tensors["master"], exp_avg=tensors["exp_avg"], exp_avg_sq=tensors["exp_avg_sq"],
             schedule=o.schedule.state_dict(), loss_scaler=scaler,
-            data_position={"step": version, "consumed_samples": version * self.global_batch_size},
+            data_position={"step": version, "consumed_samples": o.schedule.samples_after(version)},
             rng={"torch_cpu": torch.get_rng_state()},
             segments=[s.to_dict() for s in o.shard_segments],
             grad_sumsq=self.grad_sumsq, lr_scale=o.lr_scale, inexact_since=self.inexact_since,

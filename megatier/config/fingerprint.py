@@ -42,6 +42,7 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
                        ("data.seq_len", d.seq_len), ("data.val_fraction", d.val_fraction), ("data.seed", d.seed),
                        ("data.checksum", data_checksum), ("train.global_batch_size", t.global_batch_size),
                        ("train.micro_batch_size", t.micro_batch_size), ("train.seed", t.seed),
+                       ("train.rampup_batch_size", t.rampup_batch_size),
                        ("train.precision", t.precision)):
         fp[key] = json.dumps(value)
     fp.pop("model.name")  # a preset's label, not a shape

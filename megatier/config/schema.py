@@ -164,6 +164,9 @@ class TrainConfig:
     iters: int = 100
     global_batch_size: int = 8
     micro_batch_size: int = 4
+    # Batch-size ramp-up, Megatron's --rampup-batch-size: [start, increment, samples], the global batch starting
+    # at start and growing by increment in even shares of samples until it is global_batch_size (None: none).
+    rampup_batch_size: Optional[list[int]] = None
     seed: int = 1234
     precision: str = "fp32"  # fp32 | bf16 | fp16 | fp8 (Transformer Engine's fp8 GEMMs, bf16 elsewhere; model.impl=te)
     device: str = "auto"  # auto | cpu | cuda

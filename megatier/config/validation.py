@@ -103,6 +103,22 @@ def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
         f"train.micro_batch_size={t.micro_batch_size}"
         f" x dp={dp or 1}; make it a multiple of {per_step}",
     )
+    if t.rampup_batch_size is not None:
+        _validate_rampup(t, per_step)
+
+
+def _validate_rampup(t: TrainConfig, per_step: int) -> None:
+    """Megatron's --rampup-batch-size checks, and every batch of the ramp whole micro-batches on each dp rank."""
+    r = t.rampup_batch_size
+    _require(len(r) == 3 and all(isinstance(v, int) and v > 0 for v in r),
+             f"train.rampup_batch_size={list(r)} must be three positive integers [start, increment, samples]")
+    start, increment, _ = r
+    _require(start < t.global_batch_size and (t.global_batch_size - start) % increment == 0,
+             f"train.rampup_batch_size={list(r)} must start below train.global_batch_size={t.global_batch_size} and "
+             f"reach it in whole increments of {increment}")
+    _require(start % per_step == 0 and increment % per_step == 0,
+             f"train.rampup_batch_size={list(r)}: its start and increment must be multiples of "
+             f"train.micro_batch_size x dp={per_step}")
 
 
 def _validate_reliability(r: ReliabilityConfig, precision: str, o: OptimConfig) -> None:
@@ -199,9 +215,10 @@ def _validate_pipeline_order(m: ModelConfig, t: TrainConfig, pp: int, dp: Option
                       f"parallel.pp >= 4 (got {pp}); use pipeline_order=standard")
     _require(m.num_layers % pp == 0, f"model.pipeline_order=checkfree_plus needs stages of identical shape: "
                                      f"model.num_layers={m.num_layers} must be divisible by parallel.pp={pp}")
-    n = t.global_batch_size // (t.micro_batch_size * (dp or 1))
+    n = (t.rampup_batch_size or [t.global_batch_size])[0] // (t.micro_batch_size * (dp or 1))  # the smallest batch
     _require(dp is None or n >= 2, f"model.pipeline_order=checkfree_plus swaps every second micro-batch, but each "
-                                   f"rank gets {n}; raise train.global_batch_size or lower train.micro_batch_size")
+                                   f"rank gets {n}; raise train.global_batch_size (or the ramp's start in "
+                                   f"train.rampup_batch_size) or lower train.micro_batch_size")
 
 
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:

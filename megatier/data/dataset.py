@@ -12,11 +12,13 @@ what an uninterrupted run reads.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
 from megatier.data.indexed import IndexedDataset
+from megatier.data.ramp import BatchRamp
 
 
 class GPTSamples:
@@ -67,29 +69,32 @@ class ResumableSampler:
 class BatchSource:
     """The micro-batches of one dp rank for a training step or a validation pass.
 
-    Global batch of step s (1-based) = samples consumed (s-1)*G .. s*G-1 (G =
-    global_batch_size). dp rank r takes the r-th contiguous G/dp of them, cut
-    into micro-batches of ``micro_batch_size``.
+    Global batch of step s (1-based) = the G samples after those consumed
+    before s ((s-1)*G; G = global_batch_size, or the ramp's batch of step s
+    during a ramp-up, megatier.data.ramp). dp rank r takes the r-th contiguous
+    G/dp of them, cut into micro-batches of ``micro_batch_size``.
     """
 
     def __init__(self, samples: GPTSamples, sampler: ResumableSampler, *, global_batch_size: int,
-                 micro_batch_size: int, dp: int, dp_rank: int):
+                 micro_batch_size: int, dp: int, dp_rank: int, rampup: Optional[Sequence[int]] = None):
         self.samples = samples
         self.sampler = sampler
         self.global_batch_size = global_batch_size
+        self.ramp = BatchRamp.of(global_batch_size, rampup)
         self.micro_batch_size = micro_batch_size
         self.dp, self.dp_rank = dp, dp_rank
         self.per_rank = global_batch_size // dp
         self.num_microbatches = self.per_rank // micro_batch_size
 
     def consumed_before(self, step: int) -> int:
-        return (step - 1) * self.global_batch_size
+        return self.ramp.consumed_before(step)
 
     def train_microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        first = self.consumed_before(step) + self.dp_rank * self.per_rank
-        indices = self.sampler.indices(first, self.per_rank)
+        per_rank = self.ramp.batch(step) // self.dp
+        first = self.consumed_before(step) + self.dp_rank * per_rank
+        indices = self.sampler.indices(first, per_rank)
         mb = self.micro_batch_size
-        return [self.samples.stack(indices[i:i + mb]) for i in range(0, self.per_rank, mb)]
+        return [self.samples.stack(indices[i:i + mb]) for i in range(0, per_rank, mb)]
 
     def val_microbatches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed slice of the validation split: the same samples at every evaluation."""

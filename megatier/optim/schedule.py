@@ -7,7 +7,8 @@ styles down to ``min_lr``). Megatron's scheduler counts samples (an iteration
 advances it by the global batch) and so does this one: the same operations on
 the same numbers give the same floats, bit for bit.
 
-The rate is a pure function of the step, so a resume needs no scheduler state:
+With a batch-size ramp-up the samples of a step follow the ramp, as Megatron's
+do. The rate is a pure function of the step, so a resume needs no scheduler state:
 the schedule's settings are in the job's config fingerprint instead
 (megatier.config.fingerprint).
 """
@@ -22,6 +23,7 @@ from typing import Optional
 from megatier.config import OptimConfig
 from megatier.config.fingerprint import SCHEDULE_KEYS
 from megatier.config.schema import LR_DECAY_STYLES, WSD_DECAY_STYLES
+from megatier.data.ramp import BatchRamp
 
 
 @dataclass(frozen=True)
@@ -39,11 +41,18 @@ class LRSchedule:
     warmup_init_lr: float = 0.0
     wsd_decay_iters: Optional[int] = None
     wsd_decay_style: str = "exponential"
+    # A batch-size ramp-up: the samples of each step; the horizons still count ``batch`` samples a step
+    # (Megatron's --lr-*-samples of a ramped job are its --lr-*-iters times the full global batch).
+    ramp: Optional[BatchRamp] = None
 
     def __call__(self, step: int) -> float:
         if step < 1:
             raise ValueError(f"learning-rate steps start at 1, got {step}")
-        return self.at_samples(step * self.batch)
+        return self.at_samples(self.samples_after(step))
+
+    def samples_after(self, step: int) -> int:
+        """The samples consumed by steps 1 .. ``step``."""
+        return self.ramp.consumed_before(step + 1) if self.ramp is not None else step * self.batch
 
     def warmup_samples(self) -> float:
         """Megatron's ``lr_warmup_steps``: a float when it is a fraction of the horizon."""
@@ -103,8 +112,10 @@ def wsd_coeff(style: str, ratio: float) -> float:
     raise ValueError(f"unknown WSD decay style {style!r}; one of {', '.join(WSD_DECAY_STYLES)}")
 
 
-def schedule_of(o: OptimConfig, iters: int, global_batch_size: int) -> LRSchedule:
-    """The schedule ``o`` names for a job of ``iters`` steps (the horizon when ``o.decay_iters`` is unset)."""
+def schedule_of(o: OptimConfig, iters: int, global_batch_size: int, ramp: Optional[BatchRamp] = None) -> LRSchedule:
+    """The schedule ``o`` names for a job of ``iters`` steps (the horizon when ``o.decay_iters`` is unset) and
+    its batches (``ramp``: a batch-size ramp-up, megatier.data.ramp)."""
     return LRSchedule(o.lr, o.min_lr, o.warmup_iters, o.decay_iters or iters, decay_style=o.decay_style,
                       batch=global_batch_size, warmup_fraction=o.warmup_fraction, warmup_init_lr=o.warmup_init_lr,
-                      wsd_decay_iters=o.wsd_decay_iters, wsd_decay_style=o.wsd_decay_style)
+                      wsd_decay_iters=o.wsd_decay_iters, wsd_decay_style=o.wsd_decay_style,
+                      ramp=ramp if ramp is not None and ramp.start else None)

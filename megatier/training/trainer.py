@@ -174,7 +174,7 @@ class Trainer(InPlaceRecovery):
         t = self.cfg.train
         self.batches = BatchSource(samples, ResumableSampler(samples.num_train, d.seed),
                                    global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                                   dp=self.ps.dp, dp_rank=self.ps.dp_rank)
+                                   dp=self.ps.dp, dp_rank=self.ps.dp_rank, rampup=t.rampup_batch_size)
 
     def _build_model(self) -> None:
         m, ps = self.cfg.model, self.ps
@@ -207,7 +207,7 @@ class Trainer(InPlaceRecovery):
 
     def _build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
-        schedule = schedule_of(o, t.iters, t.global_batch_size)
+        schedule = schedule_of(o, t.iters, t.global_batch_size, self.batches.ramp)
         scaler = None
         if t.precision == "fp16":
             scaler = DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)
@@ -302,10 +302,10 @@ class Trainer(InPlaceRecovery):
         if not stats.skipped:
             self.spikes.applied(loss, stats.grad_norm)
         elapsed = time.perf_counter() - start
-        tokens = self.cfg.train.global_batch_size * self.cfg.data.seq_len
+        tokens = self.batches.ramp.batch(step) * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed,
-                  "consumed_samples": step * self.cfg.train.global_batch_size, "skipped": stats.skipped}
+                  "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped}
         if stop:
             record["stop_requested"] = True
         if why is not None:

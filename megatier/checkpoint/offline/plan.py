@@ -39,6 +39,7 @@ from megatier.checkpoint.shard import ShardAccess
 from megatier.config import CheckpointConfig, Config, validate
 from megatier.data.corpus import default_corpus_prefix
 from megatier.data.indexed import read_index
+from megatier.data.ramp import BatchRamp
 from megatier.data.tokenizer import ByteTokenizer
 from megatier.model.params import stage_parameters, stage_spec
 from megatier.optim.flat import FlatLayout, ShardSegment
@@ -184,7 +185,7 @@ def rank_sizes(cfg: Config, layout: Layout, node: int, vocab: int) -> RankSizes:
     scaler = None
     if t.precision == "fp16":
         scaler = DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)
-    schedule = schedule_of(o, t.iters, t.global_batch_size)
+    schedule = schedule_of(o, t.iters, t.global_batch_size, BatchRamp.of(t.global_batch_size, t.rampup_batch_size))
     step = max(t.iters, c.diff.batch)
     meta = torch.empty(numel, dtype=torch.float32, device="meta")
     shard = ShardAccess(_PlannedOptimizer(segments, meta, schedule, scaler, step), t.global_batch_size)

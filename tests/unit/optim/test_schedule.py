@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from megatier.config import OptimConfig
+from megatier.data.ramp import BatchRamp
 from megatier.optim.schedule import LRSchedule, schedule_of
+from tests.unit.data.test_ramp import megatron_batches
 
 mcore = pytest.importorskip("megatron.core.optimizer_param_scheduler",
                             reason="megatron-core (a test dependency: make install) is not importable")
@@ -15,9 +17,10 @@ mcore = pytest.importorskip("megatron.core.optimizer_param_scheduler",
 ITERS, WARMUP, DECAY, WSD = 60, 6, 48, 15  # warmup, then stable or decay phases, then past the horizon
 
 
-def _megatron_lrs(o: OptimConfig, gbs: int, iters: int) -> list[float]:
+def _megatron_lrs(o: OptimConfig, gbs: int, iters: int, batches: list[int] | None = None) -> list[float]:
     """Megatron's scheduler as its training loop sets it up for --train-iters: every count in samples
-    (megatron.training.training.get_optimizer_param_scheduler), stepped by one global batch per iteration."""
+    (megatron.training.training.get_optimizer_param_scheduler), stepped by one global batch per iteration
+    (``batches``: each iteration's, during a ramp-up)."""
     decay = o.decay_iters * gbs
     warmup = o.warmup_fraction * decay if o.warmup_fraction is not None else o.warmup_iters * gbs
     group = {}
@@ -27,8 +30,8 @@ def _megatron_lrs(o: OptimConfig, gbs: int, iters: int) -> list[float]:
         start_wd=0.1, end_wd=0.1, wd_incr_steps=iters * gbs, wd_incr_style="constant",
         wsd_decay_steps=o.wsd_decay_iters * gbs if o.wsd_decay_iters else None, lr_wsd_decay_style=o.wsd_decay_style)
     lrs = []
-    for _ in range(iters):
-        sched.step(increment=gbs)
+    for batch in batches or [gbs] * iters:
+        sched.step(increment=batch)
         lrs.append(group["lr"])
     return lrs
 
@@ -67,3 +70,14 @@ def test_a_followed_record_replaces_the_schedule_keys_it_holds():
     followed = s.following(recorded)
     assert (followed.decay_style, followed.wsd_decay_iters, followed.lr) == ("wsd", 20, 0.001)
     assert (followed.decay_iters, followed.batch, followed.min_lr) == (100, 8, s.min_lr)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_through_a_batch_ramp_the_rate_follows_the_samples_as_megatron_core(case):
+    gbs, rampup = 16, [4, 4, 120]  # 10 batches of 4, 5 of 8, 4 of 12, then 16: through warmup and decay
+    o = OptimConfig(**{"lr": 3e-4, "min_lr": 3e-5, "warmup_iters": WARMUP, "decay_iters": DECAY, **case})
+    ours = schedule_of(o, ITERS, gbs, BatchRamp.of(gbs, rampup))
+    batches = megatron_batches(gbs, 2, 2, rampup, ITERS)
+    assert batches[0] == 4 and batches[-1] == gbs
+    assert [ours(step) for step in range(1, ITERS + 1)] == _megatron_lrs(o, gbs, ITERS, batches)
+    assert ours.samples_after(ITERS) == sum(batches)
