@@ -67,8 +67,8 @@ class DrillSpec:
         if self.no_spare:  # the round shrinks dp
             return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s, self.recovery)
         spares = self.spares_per_node
-        if spares is None:
-            spares = 0 if self.fail == "node" else len(self.at_steps)
+        if spares is None:  # a failure during the recovery kills rank 0 too: a spare on its node takes it
+            spares = 0 if self.fail == "node" and not self.fail_in_recovery else len(self.at_steps)
         return LaunchSettings(self.nodes, self.procs_per_node, self.fail_grace_s, self.timeout_s, self.recovery,
                               spares, 1 if self.fail == "node" else 0)
 

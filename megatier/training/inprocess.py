@@ -177,7 +177,8 @@ class Membership:
                     return None
                 if time.monotonic() - looked > _DEAD_POLL_S:
                     looked = time.monotonic()
-                    if rnd.world_lost(leases):
+                    if rnd.world_lost(leases):  # the launch is over: the other spares and the agents stop waiting
+                        MembershipRound.finish(self.store, self.prefix)
                         raise RoundFailed("every rank of the job was lost at once, so no survivor is left to "
                                           "re-form it")
                 time.sleep(_SPARE_POLL_S)
