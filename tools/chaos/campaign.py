@@ -15,9 +15,18 @@ back (except where a fault destroyed it); every launch ends within its time
 limit (no hang); every fault is survived (the next launch recovers and trains
 on) or reported by the failing launch with a clear first error line.
 
+With ``--recovery inprocess`` the job runs on ``megatier-agent`` nodes with a
+spare on every node and a node of spares, and each launch trains only a few
+steps past its fault: a fault the survivors recover in place ends that launch
+with exit 0 (its recovery is the launch's own, the table says "in place");
+one they cannot (every rank lost at once, a step that crashes on every rank)
+ends it with a non-zero status and the next launch recovers it ("exit N +
+relaunch"). A node fault kills the node's agent, ranks and spares at once.
+
 Spec (JSON): {"seed", "faults", "types" (names from the catalogue; default all),
 "nodes", "procs_per_node", "overrides" (Hydra), "gap" ([min, max] steps per
-launch), "launch_timeout_s"}. Exit status 0 when every check passed.
+launch), "launch_timeout_s", "recovery" ("relaunch" or "inprocess")}. Exit
+status 0 when every check passed.
 """
 from __future__ import annotations
 
@@ -61,7 +70,8 @@ class Event:
     launch_s: float = 0.0
     reached: Optional[int] = None  # last step the launch logged
     detail: str = ""
-    recovery: Optional[dict] = None  # the next launch's recovery record
+    recovery: Optional[dict] = None  # the recovery record of this fault (in place: its own launch's)
+    in_place: bool = False  # recovered by its own launch's survivors (--recovery inprocess)
     restored_first: bool = False  # its first launch restored a point (a recurring crash then loops on it)
     problems: list[str] = field(default_factory=list)
 
@@ -72,6 +82,7 @@ class Campaign:
         self.rng = random.Random(spec.get("seed", 0))
         self.nodes, self.procs = spec.get("nodes", 2), spec.get("procs_per_node", 1)
         self.timeout_s = spec.get("launch_timeout_s", 240)
+        self.inprocess = spec.get("recovery", "relaunch") == "inprocess"
         self.proxy = self.server = None
         self.newest_committed: Optional[int] = None
         self.events = self._plan()
@@ -117,15 +128,19 @@ class Campaign:
         host, port = self.server.get_host_and_port()
         return f"http://{host}:{port}"
 
-    def _launch(self, name: str, *, env: dict, file_limit: dict, s3_rule=None) -> int:
+    def _launch(self, name: str, *, env: dict, file_limit: dict, s3_rule=None, iters: Optional[int] = None) -> int:
+        """One launch of the job (``iters``: trained only that far, in process: a few steps past its fault)."""
         log_path = os.path.join(self.job.work, f"{name}.log")
-        script = trainer_command(self.job.overrides)
+        overrides = [o for o in self.job.overrides if not (iters and o.startswith("train.iters="))]
+        script = trainer_command(overrides + ([f"train.iters={iters}"] if iters else []))
+        spares = {"recovery": "inprocess", "spares_per_node": 1, "spare_nodes": 1} if self.inprocess else {}
         with open(log_path, "w") as log:
             saved = os.dup(1), os.dup(2)
             os.dup2(log.fileno(), 1)
             os.dup2(log.fileno(), 2)
             try:
-                cluster = LocalCluster(self.nodes, self.procs, script, node_env=env, node_file_limit=file_limit)
+                cluster = LocalCluster(self.nodes, self.procs, script, node_env=env, node_file_limit=file_limit,
+                                       **spares)
                 cluster.start()
                 if s3_rule is not None:  # Tier-3 misbehaves once the launch trains (start-up needs it usable)
                     threading.Thread(target=self._disturb_s3, args=(s3_rule,), daemon=True).start()
@@ -173,7 +188,8 @@ class Campaign:
 
     def _env(self, event: Event) -> dict[int, dict[str, str]]:
         f = event.fault
-        carrier = f"train.step_end:{event.step}"
+        # In process, a lost node takes its agent, ranks and spares at once (the process group of the node).
+        carrier = f"train.step_end:{event.step}" + (":node" if self.inprocess and f.wipe else "")
         armed = {i: [] for i in range(self.nodes)}
         for i in (range(self.nodes) if f.carrier_everywhere else [event.victim]):
             armed[i].append(carrier)
@@ -214,10 +230,14 @@ class Campaign:
             event.launch_exit = self._launch(f"launch{event.index}" + (f"-{again}" if again else ""),
                                              env=self._env(event),
                                              file_limit={event.victim: f.file_limit} if f.file_limit else {},
-                                             s3_rule=f.s3(event.victim * self.procs) if f.s3 is not None else None)
+                                             s3_rule=f.s3(event.victim * self.procs) if f.s3 is not None else None,
+                                             iters=event.step + 3 if self.inprocess else None)
             if again == 0:
                 self._check_transient(event)
                 event.restored_first = any(r.get("event") == "recovery" for r in read_metrics(self.job))
+            if self.inprocess and again == 0 and event.launch_exit == 0:
+                event.in_place, event.recovery = True, self._own_recovery(event)
+                break
         event.launch_s = time.monotonic() - t0
         self.proxy.clear()
         if second is not None:
@@ -226,11 +246,19 @@ class Campaign:
         event.reached = reached[-1] if reached else None
         if event.launch_exit == 124:
             event.problems.append(f"launch {event.index} hung past {self.timeout_s} s")
-        elif event.launch_exit == 0:
+        elif event.in_place and event.recovery is None and not f.transient:
+            event.problems.append(f"launch {event.index} exited 0 without recovering from its fault in place")
+        elif event.launch_exit == 0 and not self.inprocess:
             event.problems.append(f"launch {event.index} was to be killed at step {event.step} but finished")
         if f.wipe:
             self._wipe(event)
         self._check_committed(event)
+
+    def _own_recovery(self, event: Event) -> Optional[dict]:
+        """The in-place recovery record of ``event``'s launch: the last one after its launch's first restore
+        (a transient fault's rerun needs none; its carrier still kills a rank)."""
+        records = [r for r in read_metrics(self.job) if r.get("event") == "recovery"]
+        return records[-1] if len(records) > 1 else None
 
     def _check_transient(self, event: Event) -> None:
         """A transient fault must be caught by its step's rerun (and the run go on with the second result)."""
@@ -267,7 +295,8 @@ class Campaign:
         for event in self.events:
             self.run_event(event)
             self._assign_recovery(pending, exclude=event)
-            pending.append(event)
+            if not event.in_place:
+                pending.append(event)
             print(f"campaign: {event.index}/{len(self.events)} {event.fault.name} at step {event.step} on "
                   f"node{event.victim}: exit {event.launch_exit}, reached {event.reached}", file=sys.stderr)
         final_status = self._launch("finish", env={}, file_limit={})
@@ -352,7 +381,12 @@ class Campaign:
             events = [e for e in self.events if e.fault.name == name]
             records = [e.recovery for e in events if e.recovery]
             ok = sum(1 for e in events if e.recovery is not None and not e.problems)
-            modes = ["relaunch" + (", fallback" if any(r.get("fallback") for r in records) else "")]
+            placed = sum(1 for e in events if e.in_place)
+            modes = [f"in place {placed}"] if placed else []
+            if placed < len(events):
+                statuses = ",".join(sorted({str(e.launch_exit) for e in events if not e.in_place}))
+                modes.append(("relaunch" if not self.inprocess else f"exit {statuses} + relaunch")
+                             + (", fallback" if any(r.get("fallback") for r in records) else ""))
             if events[0].fault.transient:
                 modes.insert(0, "rerun")
             classes = ",".join(sorted({r.get("failure_class") or "-" for r in records})) or "-"
@@ -372,6 +406,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--types", help="comma-separated fault types (default: every type)")
     p.add_argument("--nodes", type=int)
     p.add_argument("--procs-per-node", type=int)
+    p.add_argument("--recovery", choices=("relaunch", "inprocess"), help="how each fault is recovered (default: "
+                   "relaunch; inprocess: survivors and spares in the same launch)")
     p.add_argument("--work-dir", help="where the job, its tiers and logs go (default: a new temp dir)")
     p.add_argument("--list", action="store_true", help="print the fault types and exit")
     return p.parse_args(argv)
@@ -384,7 +420,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"{f.name:<36} {f.what}")
         return 0
     spec = json.loads(Path(args.spec).read_text()) if args.spec else {}
-    for key in ("faults", "seed", "nodes"):
+    for key in ("faults", "seed", "nodes", "recovery"):
         if getattr(args, key) is not None:
             spec[key] = getattr(args, key)
     if args.procs_per_node is not None:
