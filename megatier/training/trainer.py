@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 
 from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, TrainState, build_checkpointer
 from megatier.checkpoint.policy.rules import check_checkpoint_config, effective_checkpoint_config
+from megatier.checkpoint.recover.record import say_recovered
 from megatier.config import Config, ConfigError, validate
 from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
 from megatier.data.corpus import ensure_default_corpus
@@ -373,6 +374,7 @@ class Trainer(InPlaceRecovery):
             record["canonical_digest"] = self.canonical_digest()
         if record is not None:
             self.logger.log({"step": self.step, **record})
+            say_recovered(record, self.ps.rank)
         self.goodput.resume(self.step, record, detected_at=self.detected_at)
         self.detected_at, self._intact = None, True
         self._say_schedule(record)

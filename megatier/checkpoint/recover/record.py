@@ -1,11 +1,14 @@
 """The recovery record: what restore did, for metrics.jsonl, wandb and the failure drill's report."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 from megatier.checkpoint.recover.consensus import Consensus
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, TIER_ORDER
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -85,3 +88,17 @@ def recovery_record(consensus: Consensus, sources: Sources, moved: dict[str, int
         "ignored_foreign_copies": len(consensus.ignored),
         "stale_units_removed": stale_removed,
     }
+
+
+def say_recovered(record: dict, rank: int) -> None:
+    """The restore's console line (global rank 0), said by the caller once the record holds the launch's failure
+    class: the tiers alone cannot tell a continuation after a clean exit ("none") from a software failure."""
+    if rank != 0:
+        return
+    cls = record["failure_class"]
+    checkfree = record.get("checkfree")
+    log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed%s%s", record["version"],
+             record["end"], "no failure: the last launch ended cleanly" if cls == "none" else cls,
+             record["source_tiers"], len(record["fallbacks"]), record["stale_units_removed"],
+             f"; resharded {record['resharded']}" if record.get("resharded") else "",
+             f"; CheckFree rebuilt stage(s) {checkfree['stages']} (NOT exact)" if checkfree else "")

@@ -36,7 +36,6 @@ transfer waits at most the job timeout.
 """
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,8 +56,6 @@ from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.storage.store import StoreError
 from megatier.checkpoint.tiers.base import JOB
 from megatier.faults import CrashPoint
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -247,9 +244,4 @@ def _record(ctx: CheckpointContext, consensus: Consensus, fetcher: Fetcher, plan
     record["resharded"] = reshard_label(consensus.degrees, ctx.layout.degrees) if resharded else None
     record["adopted"] = plan.adopted
     record["fallback"] = plan.fallback.describe() if plan.fallback.level else None
-    if ctx.rank == 0:
-        log.info("recovered v%d -> E=%d (%s) from %s; %d fallbacks, %d stale units removed%s%s", record["version"],
-                 record["end"], record["failure_class"], record["source_tiers"], len(record["fallbacks"]),
-                 record["stale_units_removed"], f"; resharded {record['resharded']}" if resharded else "",
-                 f"; CheckFree rebuilt stage(s) {checkfree['stages']} (NOT exact)" if checkfree else "")
-    return record
+    return record  # its console line (record.say_recovered) waits for the launch's own failure class
