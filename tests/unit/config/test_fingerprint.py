@@ -1,16 +1,18 @@
 """The config fingerprint: which settings make two runs' checkpoints incompatible."""
 from __future__ import annotations
 
-from megatier.config.fingerprint import changed_keys, fingerprint_hash, state_fingerprint
+from megatier.config.fingerprint import SCHEDULE_KEYS, changed_keys, fingerprint_hash, followed_keys, state_fingerprint
 
 
 def test_state_shaping_settings_are_in_it_and_bookkeeping_is_not(compose_config):
     base = compose_config("model=tiny")
     fp = state_fingerprint(base, "abc")
     assert {"optim.lr", "train.seed", "train.precision", "model.hidden_size", "parallel.tp", "data.checksum",
-            "optim.decay_iters", "train.global_batch_size"} <= set(fp)
+            "optim.decay_iters", "train.global_batch_size", "optim.decay_style", "optim.wsd_decay_iters",
+            "optim.warmup_fraction", "train.rampup_batch_size"} <= set(fp)
     for same in (["train.eval_interval=7"], ["logging.name=other"], ["checkpoint=tiered"], ["train.threads=1"],
-                 ["train.device=cpu"], ["model.impl=te", "model.layernorm_impl=apex", "optim.grad_norm_impl=apex"]):
+                 ["train.device=cpu"], ["model.impl=te", "model.layernorm_impl=apex", "optim.grad_norm_impl=apex"],
+                 ["optim.use_checkpoint_scheduler=true"]):
         assert fingerprint_hash(state_fingerprint(compose_config("model=tiny", *same), "abc")) == \
             fingerprint_hash(fp), same
     fixed = compose_config("model=tiny", "optim.decay_iters=100")
@@ -27,3 +29,11 @@ def test_iters_matter_while_they_set_the_lr_schedule(compose_config):
 def test_changed_keys_name_old_and_new():
     assert changed_keys({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == ["b: 2 -> 3", "c: (unset) -> 4"]
     assert fingerprint_hash({}) == ""
+
+
+def test_use_checkpoint_scheduler_follows_every_schedule_key_and_only_those(compose_config):
+    assert followed_keys(compose_config("model=tiny")) == ("optim.decay_iters",)
+    assert followed_keys(compose_config("model=tiny", "optim.decay_iters=50")) == ()
+    keys = followed_keys(compose_config("model=tiny", "optim.decay_iters=50", "optim.use_checkpoint_scheduler=true"))
+    assert keys == SCHEDULE_KEYS and set(keys) <= set(state_fingerprint(compose_config("model=tiny"), "x"))
+    assert not {"optim.beta1", "optim.weight_decay", "optim.clip_grad"} & set(keys)
