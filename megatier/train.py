@@ -33,6 +33,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         inprocess.name_process()
         cfg = compose_config(overrides)
+        stop.set_limits(cfg.train.exit_interval, cfg.train.exit_duration_in_mins)
         needed, membership = inprocess.wait_if_spare(cfg)  # a hot spare waits
         if not needed:
             return 0
@@ -41,8 +42,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = trainer.close()
     except inprocess.JobEnded:  # a survivor of a dropped replica, not needed again
         return 0
-    except KeyboardInterrupt:  # a second Ctrl-C: no drain
-        return outcome.interrupted_twice(trainer)
+    except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: no drain
+        return outcome.interrupted_twice(trainer, stop.signal)
     except outcome.DIVERGED as e:
         return outcome.diverged(trainer, e)
     except Exception as e:

@@ -9,8 +9,8 @@ torchrun turns any worker failure into its own status 1 and a traceback of its l
 traceback too, after the workers already said why in one line (a refusal, a divergence stop, "interrupted at
 step N"). Here the launch exits with the status of the first worker that failed (docs/operations.md lists
 them) and adds nothing when that status is one the training command explains itself; a crash still gets
-torchrun's summary of which rank failed, without the launcher's own traceback. Ctrl-C ends with 130 once the
-workers have finished their step and drained, as ``megatier-train`` does.
+torchrun's summary of which rank failed, without the launcher's own traceback. Ctrl-C ends with 130 (SIGTERM, a
+scheduler's stop, with 143) once the workers have finished their step and drained, as ``megatier-train`` does.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from megatier.training import outcome
 # Statuses whose worker printed the reason in one line (rank 0): the launcher adds nothing to them.
 EXPLAINED = frozenset({outcome.EXIT_CONFIG, outcome.EXIT_TIER3_BEHIND, outcome.EXIT_RECOVERY_REFUSED,
                        outcome.EXIT_DIVERGED, outcome.EXIT_RESTORE_LOOP, outcome.EXIT_REFORM_FAILED,
-                       outcome.EXIT_INTERRUPTED})
+                       outcome.EXIT_INTERRUPTED, outcome.EXIT_TERMINATED})
 _AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\)")
 _CLOSING = re.compile(r"Sending process \d+ closing signal")

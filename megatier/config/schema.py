@@ -174,6 +174,11 @@ class TrainConfig:
     eval_iters: int = 2
     # None: leave torch's default.
     threads: Optional[int] = None
+    # Time-limited jobs (Megatron's --exit-interval, --exit-duration-in-mins): stop cleanly, checkpoints durable,
+    # exit 0, after every step that is a multiple of exit_interval, or after the last step that ends within
+    # exit_duration_in_mins of the launch's start (leave the final drain room below the scheduler's limit).
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
 
 
 @dataclass

@@ -105,6 +105,10 @@ def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
     )
     if t.rampup_batch_size is not None:
         _validate_rampup(t, per_step)
+    _require(t.exit_interval is None or t.exit_interval > 0,
+             f"train.exit_interval={t.exit_interval} must be positive (or unset: no stop by step count)")
+    _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
+             f"train.exit_duration_in_mins={t.exit_duration_in_mins} must be positive (or unset: no time limit)")
 
 
 def _validate_rampup(t: TrainConfig, per_step: int) -> None:

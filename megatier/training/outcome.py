@@ -15,7 +15,9 @@ Exit statuses (docs/operations.md):
          and Tier-3's included; reliability.loop_window, loop_limit); relaunching repeats it
     7    in-process recovery could not re-form the job (no spare for a lost rank, the membership store gone);
          relaunch: the next launch restores as after any failure
+    0    also: stopped by train.exit_interval or train.exit_duration_in_mins, every checkpoint durable
     130  interrupted (Ctrl-C); relaunch the same command to resume
+    143  stopped by SIGTERM (a scheduler's limit, a launcher's stop): the same clean stop as Ctrl-C
 
 Anything else is a failure, with its traceback. A refusal is raised on every rank the same way; only global
 rank 0 prints it, so a job of any size prints one line.
@@ -23,6 +25,7 @@ rank 0 prints it, so a job of any size prints one line.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from datetime import timedelta
 from typing import Optional
@@ -40,7 +43,7 @@ from megatier.training.nonfinite import NonFiniteStep
 
 EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_DIVERGED = 0, 2, 3, 4, 5
 EXIT_RESTORE_LOOP, EXIT_REFORM_FAILED = 6, 7
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
 # How long a rank other than 0 keeps a refused launch alive for rank 0 to print its line (rank 0 may have failed
 # otherwise and never will).
 REFUSAL_WAIT_S = 60.0
@@ -128,23 +131,31 @@ def diverged(trainer, error: BaseException) -> int:
     return EXIT_DIVERGED
 
 
-def interrupted_twice(trainer) -> int:
-    """Print the line of a launch a second Ctrl-C ended without draining (``trainer`` None: during the build)
-    and return the exit status."""
+def interrupted_twice(trainer, sig: Optional[signal.Signals]) -> int:
+    """Print the line of a launch a second Ctrl-C (or SIGTERM, ``sig``) ended without draining (``trainer``
+    None: during the build) and return the exit status."""
     step = trainer.step if trainer is not None else 0
     resume = None if trainer is None or trainer.checkpointer is None else \
         "the newest checkpoint in node memory (at most the step in flight is lost)"
-    say(interrupted(step, resume), err=True)
-    return EXIT_INTERRUPTED
+    sig = sig or signal.SIGINT
+    say(interrupted(step, resume, sig.name), err=True)
+    return 128 + sig
 
 
-def interrupted(step: int, resume_from: Optional[str]) -> str:
-    """The line of a launch stopped by Ctrl-C after ``step``; ``resume_from`` says where a relaunch goes on
-    (None: checkpointing is off)."""
+def interrupted(step: int, resume_from: Optional[str], cause: str = "SIGINT") -> str:
+    """The line of a launch stopped after ``step`` by ``cause`` (a signal's name or a time limit's key);
+    ``resume_from`` says where a relaunch goes on (None: checkpointing is off)."""
+    what = {"SIGINT": "interrupted", "SIGTERM": "terminated (SIGTERM)"}.get(cause, f"stopped by {cause}")
     if resume_from is None:
-        return (f"interrupted at step {step}; checkpointing is off (checkpoint=disabled), so a relaunch starts "
+        return (f"{what} at step {step}; checkpointing is off (checkpoint=disabled), so a relaunch starts "
                 f"again from step 0")
-    return f"interrupted at step {step}; relaunch the same command to resume from {resume_from}"
+    return f"{what} at step {step}; relaunch the same command to resume from {resume_from}"
+
+
+def stop_status(cause: str) -> Optional[int]:
+    """The exit status of a loop stopped by ``cause``: 128 + the signal's number; None for a time limit, which
+    ends as a finished launch does (0, or 3 while Tier-3 is behind)."""
+    return 128 + signal.Signals[cause] if cause in signal.Signals.__members__ else None
 
 
 def finished(trainer, summary: dict) -> int:
@@ -167,6 +178,13 @@ def finished(trainer, summary: dict) -> int:
             f"is {durable} (see the warning above)", err=True)
     if trainer.interrupted_at is not None:
         resume = f"step {summary['step']}" if trainer.checkpointer is not None else None
-        say(interrupted(trainer.interrupted_at, resume), err=True)
-        return EXIT_INTERRUPTED
+        cause = trainer.last_record["stop_requested"]
+        say(interrupted(trainer.interrupted_at, resume, _with_value(cause, cfg.train)), err=True)
+        if stop_status(cause) is not None:
+            return stop_status(cause)
     return EXIT_TIER3_BEHIND if summary.get("checkpoint_behind") else EXIT_TRAINED
+
+
+def _with_value(cause: str, train) -> str:
+    """A time limit's key as the user set it (``train.exit_interval=50``); a signal's name as it is."""
+    return f"{cause}={getattr(train, cause.split('.')[1])}" if cause.startswith("train.") else cause
