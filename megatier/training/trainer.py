@@ -84,8 +84,8 @@ class Trainer(InPlaceRecovery):
     def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None,
                  stop: Optional[StopRequest] = None, membership: Optional[Membership] = None):
         self.cfg = cfg
-        self.stop = stop or StopRequest()  # Ctrl-C: stop after the step in flight (megatier.training.interrupt)
-        self.interrupted_at: Optional[int] = None  # the step a stop request ended the loop after
+        self.stop = stop or StopRequest()  # Ctrl-C, SIGTERM, time limits: stop after a step (training.interrupt)
+        self.interrupted_at: Optional[int] = None  # the step a stop request ended the loop after (its record says why)
         self.already_finished = False  # restore found the job at or past train.iters
         self.started = time.time()  # the launch holds its machines from here on (goodput's wall time)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -261,16 +261,16 @@ class Trainer(InPlaceRecovery):
         return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale,
                                      seq_shards=shards)
 
-    def _global_loss(self, local: torch.Tensor) -> tuple[float, bool]:
-        """Mean loss over the global batch, known on every rank (computed on the last stage), and whether any
-        rank was asked to stop (the flag rides along in the same all-reduce)."""
+    def _global_loss(self, local: torch.Tensor) -> tuple[float, Optional[str]]:
+        """Mean loss over the global batch, known on every rank (computed on the last stage), and why the ranks
+        stop after this step, if they do (the stop flags ride along in the same all-reduce: interrupt.py)."""
         counts = self.ps.is_last_stage and self.ps.tp_rank == 0
-        contrib = local.double().reshape(()) / self.ps.dp if counts else torch.zeros((), dtype=torch.float64)
-        flag = torch.tensor(1.0 if self.stop.requested else 0.0, dtype=torch.float64)
-        both = torch.stack([contrib.to(self.device), flag.to(self.device)])
+        contrib = local.double().reshape(1) / self.ps.dp if counts else torch.zeros(1, dtype=torch.float64)
+        flags = torch.tensor(self.stop.flags(self.step + 1, self.ps.rank == 0), dtype=torch.float64)
+        both = torch.cat([contrib.to(self.device), flags.to(self.device)])
         dist.all_reduce(both, group=self.ps.world_group)
-        loss, stop = both.tolist()
-        return loss, stop > 0
+        loss, *votes = both.tolist()
+        return loss, self.stop.agreed(votes)
 
     def _sync_copies(self) -> None:
         """Give each copy its source's gradient: the tied embedding's two copies are summed; CheckFree+'s replicas
@@ -308,7 +308,7 @@ class Trainer(InPlaceRecovery):
                   "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed,
                   "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped}
         if stop:
-            record["stop_requested"] = True
+            record["stop_requested"] = stop
         if why is not None:
             record["rerun"] = why
         if self.optimizer.scaler is not None:
