@@ -6,7 +6,8 @@
 
 What runs after ``--`` is what torchrun runs (a script, or ``-m module``) with its arguments; each node's
 processes get MEGATIER_NODE_NAME=node{i} (:mod:`megatier.drill.cluster`). Exit status: the worst of the agents'
-(a signal death counts as 128 + signal). Ctrl-C or SIGTERM stops every agent and its workers.
+(a signal death counts as 128 + signal). Ctrl-C or SIGTERM is passed to every agent and its workers, which stop
+cleanly after their step, as under megatier-run; a second one stops them at once.
 
 With ``--recovery inprocess`` each node runs ``megatier-agent`` instead of torchrun's agent: a failed process
 leaves the others running, ``--spares-per-node`` idle spares wait on every node and ``--spare-nodes`` nodes hold
@@ -17,9 +18,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+import time
 from typing import Optional
 
 from megatier.drill.cluster import LocalCluster
+from megatier.training.interrupt import REPEAT_S
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -54,19 +57,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"megatier-launch: {e}", file=sys.stderr)
         return 2
 
-    def interrupt(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
     # Installed explicitly: a launcher started in the background inherits SIGINT ignored.
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(signal.SIGTERM, interrupt)
+    first = _ForwardOnce(cluster)
+    signal.signal(signal.SIGINT, first)
+    signal.signal(signal.SIGTERM, first)
     try:
         cluster.start()
         return cluster.wait(fail_grace_s=args.fail_grace_s)
     except KeyboardInterrupt:
-        print("launch_local_cluster: interrupted; stopping all nodes", file=sys.stderr)
+        print("megatier-launch: interrupted again; stopping all nodes now", file=sys.stderr)
         cluster.stop()
-        return 130
+        return 128 + (first.signal or signal.SIGINT)
+
+
+class _ForwardOnce:
+    """The first Ctrl-C or SIGTERM goes on to every node, whose workers stop cleanly after their step (their rank 0
+    says where to resume; the launch ends with their 130 or 143); a second one later than REPEAT_S (not the same
+    press, which a scheduler also delivers to every process) stops every node at once."""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.signal: Optional[signal.Signals] = None
+        self.at = 0.0
+
+    def __call__(self, signum, _frame) -> None:
+        if self.signal is None:
+            self.signal, self.at = signal.Signals(signum), time.monotonic()
+            self.cluster.forward(self.signal)
+        elif time.monotonic() - self.at > REPEAT_S:
+            raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 if __name__ == "__main__":

@@ -207,6 +207,13 @@ class LocalCluster:
             codes = [c for c in codes if c >= 0] or codes
         return max(exit_status(c) for c in codes)
 
+    def forward(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to every live agent, which passes it on to its workers: the job's own clean stop on SIGINT
+        or SIGTERM (the workers finish their step and drain), where :meth:`stop` ends it from outside."""
+        for a in self.agents:
+            if a.poll() is None:
+                _signal_group(a.pid, sig)
+
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every agent (torchrun then stops its workers); SIGKILL whatever is left after ``grace_s``."""
         live = [a for a in self.agents if a.poll() is None]
