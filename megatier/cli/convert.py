@@ -8,8 +8,12 @@ For a ``model.arch=llama`` job the directory is a ``transformers.LlamaForCausalL
 config.json: :mod:`megatier.interop.llama`). For GPT-2, it writes ``config.json`` and ``model.safetensors``
 (fp32, GPT-2 names, Conv1D
 orientation, the true vocabulary) that ``transformers.GPT2LMHeadModel
-.from_pretrained`` loads, plus the tokenizer files of ``--data-prefix`` when
-its data used BPE. The state is the one a restore of the job installs at the
+.from_pretrained`` loads, plus the tokenizer files of the run's data when
+it used BPE: ``--data-prefix``, else the default corpus the units' checksum
+names, else the ``data.prefix`` of the run directory's config.yaml
+(``--run-dir``, by default ``runs/<job id>``, where a job named by
+``logging.name`` writes it); a tokenizer found nowhere is a warning. The
+state is the one a restore of the job installs at the
 point (by default the newest, as a restore chooses it; ``--step N`` another
 one every rank of some layout reaches), rebuilt in this process from whatever
 layout wrote it (:mod:`megatier.checkpoint.offline.state`), with every unit checksum-verified and
@@ -33,6 +37,8 @@ import math
 import os
 import sys
 from typing import Optional
+
+import yaml
 
 from megatier.checkpoint.offline.state import (
     Rebuilt,
@@ -66,12 +72,14 @@ def check_output(out_dir: str) -> None:
                           f"written)")
 
 
-def data_tokenizer(prefix: Optional[str], fingerprint: dict) -> Optional[dict]:
+def data_tokenizer(prefix: Optional[str], fingerprint: dict, run_dir: Optional[str] = None) -> Optional[dict]:
     """The tokenizer spec of the run's data at ``prefix`` (None without one), checked to be the data the units
-    were trained on (the fingerprint records its checksum)."""
-    if prefix is None:  # trained on the default corpus? It is in the cache under its checksum
+    were trained on (the fingerprint records its checksum). Without ``prefix``: the default corpus of that
+    checksum in the cache, else the data.prefix ``run_dir``'s config.yaml names when its tokens are those."""
+    if prefix is None:
         recorded = json.loads(fingerprint.get("data.checksum", "null"))
         prefix = find_cached_corpus(recorded) if recorded is not None else None
+        prefix = prefix or _run_data_prefix(run_dir, recorded)
         if prefix is None:
             return None
     try:
@@ -83,6 +91,17 @@ def data_tokenizer(prefix: Optional[str], fingerprint: dict) -> Optional[dict]:
         raise ExportError(f"--data-prefix {prefix} holds other tokens (xxh64 {dataset.checksum}) than the job "
                           f"trained on ({recorded}); give the run's data.prefix, or leave --data-prefix out")
     return dataset.metadata.get("tokenizer")
+
+
+def _run_data_prefix(run_dir: Optional[str], recorded: Optional[str]) -> Optional[str]:
+    """The data.prefix ``run_dir``/config.yaml names, when it holds the ``recorded`` tokens (else None)."""
+    path = os.path.join(run_dir, "config.yaml") if run_dir and recorded else None
+    try:
+        with open(path) as f:
+            prefix = (yaml.safe_load(f).get("data") or {}).get("prefix")
+        return prefix if prefix and IndexedDataset(prefix).checksum == recorded else None
+    except (TypeError, OSError, ValueError, AttributeError, yaml.YAMLError):  # no run directory of this job here
+        return None
 
 
 def _count(n: int, what: str) -> str:
@@ -120,9 +139,10 @@ def _model_line(m: ModelConfig, weights: dict) -> str:
             f"({len(weights)} tensors, {human(nbytes)} fp32)")
 
 
-def _tokenizer_line(spec: Optional[dict]) -> str:
+def _tokenizer_line(spec: Optional[dict], run_dir: str) -> str:
     if spec is None:
-        return "tokenizer: none (give --data-prefix <the run's data.prefix> to add its tokenizer)"
+        return (f"tokenizer: none: the run's data is not the default corpus and {run_dir}/config.yaml names none "
+                f"with its tokens; give --data-prefix <the run's data.prefix> (or --run-dir) to add its tokenizer")
     if spec.get("type") == "bpe":
         return "tokenizer: bpe of the run's data (tokenizer.json, tokenizer_config.json)"
     return f"tokenizer: {spec.get('type')} of the run's data (no files: ids are UTF-8 bytes; eos id in config.json)"
@@ -145,7 +165,8 @@ def export(args: argparse.Namespace) -> list[str]:
     point = choose_point(holdings, args.job_id, args.step)
     fp_id, fingerprint = point_fingerprint(holdings, point)
     model_cfg, optim_cfg = run_configs(fingerprint, fp_id)
-    tokenizer = data_tokenizer(args.data_prefix, fingerprint)
+    run_dir = args.run_dir or os.path.join("runs", args.job_id)
+    tokenizer = data_tokenizer(args.data_prefix, fingerprint, run_dir)
     rebuilt = rebuild(tiers, point, optim_cfg)
     weights = {name: kinds["master"] for name, kinds in rebuilt.canonical.items()}
     check_output(args.out_dir)  # nothing appeared meanwhile
@@ -155,7 +176,7 @@ def export(args: argparse.Namespace) -> list[str]:
         raise ExportError(str(e)) from None
     return [_point_line(args.job_id, point, fp_id), _read_line(rebuilt),
             *(f"fallback: {line}" for line in rebuilt.fallbacks), _replay_line(point, rebuilt),
-            _model_line(model_cfg, weights), _tokenizer_line(tokenizer),
+            _model_line(model_cfg, weights), _tokenizer_line(tokenizer, run_dir),
             f"wrote: {args.out_dir} ({', '.join(sorted(os.listdir(args.out_dir)))})", _digest_line(point, rebuilt)]
 
 
@@ -186,6 +207,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "tier3 committed remote units")
     e.add_argument("--data-prefix", default=None,
                    help="the run's data.prefix: adds its tokenizer (BPE files, eos id); checked against the job's")
+    e.add_argument("--run-dir", default=None,
+                   help="the run's logging.run_dir (default runs/<job id>): without --data-prefix, its config.yaml's "
+                        "data.prefix gives the tokenizer")
     e.add_argument("--local-root", default=_DEFAULTS.local.root, help="checkpoint.local.root (Tier-1/Tier-2)")
     e.add_argument("--remote-url", default=_DEFAULTS.remote.url, help="checkpoint.remote.url (Tier-3)")
     e.add_argument("--endpoint-url", default=None, help="checkpoint.remote.endpoint_url for S3-compatible services")
@@ -200,6 +224,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.status
     print("\n".join(lines))
+    for line in (x for x in lines if x.startswith("tokenizer: none:")):  # the directory lacks what generation needs
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 
