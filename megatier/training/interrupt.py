@@ -34,7 +34,7 @@ class StopRequest:
         self.requested_at: Optional[float] = None
         self.signal: Optional[signal.Signals] = None  # the first signal received
         self.announce = announce  # print one line when the request arrives (global rank 0)
-        self.limit = TimeLimit()  # measured from here: the launch's start
+        self.limit = TimeLimit()
         self._previous: dict = {}
 
     @property

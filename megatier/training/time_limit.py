@@ -7,14 +7,27 @@ next one must fit: the launch's elapsed time plus twice its longest step so far 
 included) is compared with the limit. The drain that follows (the open diff batch,
 the final base, Tier-3) is not in the estimate: the limit must leave room for it below the scheduler's.
 
-The time is measured from the launch's start (Megatron's ``_TRAIN_START_TIME``: building and restoring count),
-on global rank 0 only, and the decision reaches the other ranks with the step's loss all-reduce
-(:mod:`megatier.training.interrupt`), so every rank stops after the same step.
+The time is measured from the start of the training process, as a scheduler counts it (Megatron starts its
+clock after the imports, which on a loaded machine take seconds). Global rank 0 alone judges it, and the decision
+reaches the other ranks with the step's loss all-reduce (:mod:`megatier.training.interrupt`), so every rank stops
+after the same step.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
+
+
+def process_start() -> float:
+    """This process's start on the time.monotonic() clock (Linux's /proc; elsewhere: now)."""
+    try:
+        with open("/proc/self/stat") as f:  # field 22, starttime, in clock ticks since boot
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.monotonic() - max(age, 0.0)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.monotonic()
 
 
 class TimeLimit:
@@ -24,7 +37,7 @@ class TimeLimit:
                  started: Optional[float] = None):
         self.exit_interval = exit_interval
         self.exit_after_s = None if exit_duration_in_mins is None else 60.0 * exit_duration_in_mins
-        self.started = time.monotonic() if started is None else started
+        self.started = process_start() if started is None else started
         self.longest_step_s = 0.0
         self._seen: Optional[tuple[int, float]] = None  # the newest step asked about, and when it was first
 
