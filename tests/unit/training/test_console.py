@@ -43,3 +43,17 @@ def test_a_log_line_is_never_glued_to_the_progress_bar(tmp_path, corpus_prefix):
     assert "capture schedule:" in proc.stdout and "|" in proc.stdout  # a line logged while the bar is drawn
     glued = re.search(r"\d+/\d+ \[[^\]\r\n]*\][^\r\n]+", proc.stdout)  # a frame of the bar, then more text
     assert glued is None, glued
+
+
+def test_a_warning_every_rank_raises_is_printed_once_under_megatier_run(tmp_path, corpus_prefix):
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                               "MASTER_PORT", "MEGATIER_NODE_NAME", "GROUP_RANK")}
+    cmd = [str(REPO / ".venv" / "bin" / "megatier-run"), "--standalone", "--nproc-per-node", "2", "-m",
+           "megatier.train", "model=tiny", f"data.prefix={corpus_prefix}", "data.seq_len=64", "train.iters=2",
+           "train.global_batch_size=4", "train.micro_batch_size=2", "logging.wandb.mode=disabled",
+           "logging.progress=false", f"logging.run_dir={tmp_path}/run", "checkpoint=tiered",
+           "checkpoint.tiers=[local,peer]", f"checkpoint.local.root={tmp_path}/shm"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env={**clean, "OMP_NUM_THREADS": "1"},
+                          timeout=140)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines() == [PEER_SKIPPED]
