@@ -61,3 +61,11 @@ def test_a_recurring_crash_must_make_the_guard_fall_back_only_after_a_restored_p
     event.restored_first, event.recovery = restored_first, {"version": 10, "end": 12, "fallback": None}
     problems = campaign._problems(0, {"step": campaign.iters, "state_digest": "d"}, {"state_digest": "d"})
     assert bool(problems) == restored_first, problems
+
+
+def test_in_process_a_node_fault_kills_the_whole_node_and_each_launch_ends_past_its_fault(tmp_path):
+    campaign = Campaign({"faults": 2, "types": ["node", "software"], "recovery": "inprocess"}, str(tmp_path))
+    envs = {e.fault.name: campaign._env(e)[e.victim]["MEGATIER_CRASH_AT"] for e in campaign.events}
+    assert envs["node"].endswith(":node") and not envs["software"].endswith(":node"), envs
+    relaunch = Campaign({"faults": 1, "types": ["node"]}, str(tmp_path))
+    assert not relaunch._env(relaunch.events[0])[relaunch.events[0].victim]["MEGATIER_CRASH_AT"].endswith(":node")

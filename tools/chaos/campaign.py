@@ -134,6 +134,7 @@ class Campaign:
         overrides = [o for o in self.job.overrides if not (iters and o.startswith("train.iters="))]
         script = trainer_command(overrides + ([f"train.iters={iters}"] if iters else []))
         spares = {"recovery": "inprocess", "spares_per_node": 1, "spare_nodes": 1} if self.inprocess else {}
+        self._mark = len(read_metrics(self.job, every_launch=True))
         with open(log_path, "w") as log:
             saved = os.dup(1), os.dup(2)
             os.dup2(log.fileno(), 1)
@@ -234,7 +235,7 @@ class Campaign:
                                              iters=event.step + 3 if self.inprocess else None)
             if again == 0:
                 self._check_transient(event)
-                event.restored_first = any(r.get("event") == "recovery" for r in read_metrics(self.job))
+                event.restored_first = any(r.get("event") == "recovery" for r in self._records())
             if self.inprocess and again == 0 and event.launch_exit == 0:
                 event.in_place, event.recovery = True, self._own_recovery(event)
                 break
@@ -242,7 +243,7 @@ class Campaign:
         self.proxy.clear()
         if second is not None:
             second.join(self.timeout_s)
-        reached = [r["step"] for r in read_metrics(self.job) if "loss" in r and r.get("event") is None]
+        reached = [r["step"] for r in self._records() if "loss" in r and r.get("event") is None]
         event.reached = reached[-1] if reached else None
         if event.launch_exit == 124:
             event.problems.append(f"launch {event.index} hung past {self.timeout_s} s")
@@ -254,17 +255,22 @@ class Campaign:
             self._wipe(event)
         self._check_committed(event)
 
+    def _records(self) -> list[dict]:
+        """The last launch's metrics records, also those a new rank 0 in place wrote to a file of its own."""
+        return read_metrics(self.job, every_launch=True)[self._mark:]
+
     def _own_recovery(self, event: Event) -> Optional[dict]:
-        """The in-place recovery record of ``event``'s launch: the last one after its launch's first restore
-        (a transient fault's rerun needs none; its carrier still kills a rank)."""
-        records = [r for r in read_metrics(self.job) if r.get("event") == "recovery"]
-        return records[-1] if len(records) > 1 else None
+        """The in-place recovery record of ``event``'s launch: the last one after its first trained step."""
+        records = self._records()
+        first_step = next((i for i, r in enumerate(records) if "loss" in r and r.get("event") is None), len(records))
+        own = [r for r in records[first_step:] if r.get("event") == "recovery"]
+        return own[-1] if own else None
 
     def _check_transient(self, event: Event) -> None:
         """A transient fault must be caught by its step's rerun (and the run go on with the second result)."""
         if not event.fault.transient:
             return
-        reruns = [r for r in read_metrics(self.job) if r.get("event") == "rerun"]
+        reruns = [r for r in self._records() if r.get("event") == "rerun"]
         if any(r["step"] == event.step - 2 and r["transient"] for r in reruns):
             event.detail = f"step {event.step - 2} rerun: a transient fault on rank(s) {reruns[-1]['ranks']}"
         else:
@@ -277,7 +283,7 @@ class Campaign:
 
         bases = [p.version for p, u in list_units(self._store()).items() if u.committed and p.kind == "base"]
         newest = max(bases, default=None)
-        restored = next((r for r in read_metrics(self.job) if r.get("event") == "recovery"), {})
+        restored = next((r for r in self._records() if r.get("event") == "recovery"), {})
         if self.newest_committed is not None and (newest is None or newest < self.newest_committed) \
                 and not restored.get("fallback"):
             if event.fault.damage is None or not event.fault.name.startswith(("t3", "commit")):
@@ -310,7 +316,7 @@ class Campaign:
         return 0 if not problems else 1
 
     def _assign_recovery(self, pending: list[Event], exclude: Optional[Event]) -> None:
-        record = next((r for r in read_metrics(self.job) if r.get("event") == "recovery"), None)
+        record = next((r for r in self._records() if r.get("event") == "recovery"), None)
         if record is None:
             return
         for event in [e for e in pending if e is not exclude and e.recovery is None]:
