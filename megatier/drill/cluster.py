@@ -154,6 +154,7 @@ class LocalCluster:
         if not self.inprocess and (spares_per_node or spare_nodes):
             raise ValueError("hot spares need recovery=inprocess (torchrun's agent restarts every process)")
         self.store = None  # in-process recovery's membership store, served here
+        self.stopping = False  # a Ctrl-C or SIGTERM was forwarded to every agent
 
     def _command(self, i: int) -> list[str]:
         if not self.inprocess:
@@ -191,7 +192,8 @@ class LocalCluster:
                       file=sys.stderr)
                 self.stop()
                 return 124
-            if failed_at is None and any(c not in (None, 0) for c in codes) and not self.inprocess:
+            # After a forwarded stop the agents end with 130 or 143 as their drains finish: not a failure to cut short.
+            if failed_at is None and any(c not in (None, 0) for c in codes) and not (self.inprocess or self.stopping):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > fail_grace_s:
                 print(f"launch_local_cluster: an agent failed; stopping the rest after {fail_grace_s:.0f}s",
@@ -210,6 +212,7 @@ class LocalCluster:
     def forward(self, sig: signal.Signals) -> None:
         """Send ``sig`` to every live agent, which passes it on to its workers: the job's own clean stop on SIGINT
         or SIGTERM (the workers finish their step and drain), where :meth:`stop` ends it from outside."""
+        self.stopping = True
         for a in self.agents:
             if a.poll() is None:
                 _signal_group(a.pid, sig)
