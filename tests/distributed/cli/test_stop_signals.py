@@ -36,6 +36,8 @@ def _args(work, corpus_prefix, iters: int) -> list[str]:
 
 
 def _command(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "megatier-train":
+        return [sys.executable, "-m", "megatier.train", *args]
     if launcher == "megatier-run":
         return [sys.executable, "-m", "megatier.cli.run", "--standalone", "--nproc-per-node", "2", "-m",
                 "megatier.train", *args]
@@ -67,7 +69,7 @@ def _run(launcher: str, work, corpus_prefix, iters: int) -> subprocess.Completed
                           env=_env(), cwd=REPO, timeout=200)
 
 
-@pytest.mark.parametrize("launcher", ["megatier-run", "megatier-launch"])
+@pytest.mark.parametrize("launcher", ["megatier-train", "megatier-run", "megatier-launch"])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_is_a_clean_stop_and_the_relaunch_resumes_bit_exact(tmp_path, corpus_prefix, launcher, sig):
     stopped = _stopped(launcher, tmp_path / "job", corpus_prefix, sig)
