@@ -9,7 +9,7 @@ import pytest
 
 from megatier.launcher.agent import NodeAgent, run_prefix, serve_store
 from megatier.parallel.assignment import Assignment
-from megatier.parallel.membership import MembershipRound
+from megatier.parallel.membership import MembershipRound, Outcome
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +41,7 @@ def _finish(agent: NodeAgent) -> None:
 
 def _decide(store, epoch: int, holders: tuple[str, ...]) -> None:
     rnd = MembershipRound(store, epoch, run_prefix("t"))
-    rnd.store.set(f"{rnd.key}/decision", json.dumps(Assignment(1, 1, len(holders), holders).to_dict()))
+    rnd.store.set(f"{rnd.key}/decision", Outcome(Assignment(1, 1, len(holders), holders)).to_json())
     store.add(f"{run_prefix('t')}/decided", 1)
 
 
