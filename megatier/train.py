@@ -28,7 +28,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if {"--cfg", "-c"} & set(overrides):
         return print_config(overrides)
     console.set_up()
-    stop = StopRequest(announce=is_rank0()).install()
+    stop = StopRequest(announce=is_rank0() and not inprocess.is_spare()).install()  # a waiting spare has no rank
     trainer = cfg = None
     try:
         inprocess.name_process()
