@@ -36,7 +36,9 @@ ENV_STORE = "MEGATIER_MEMBERSHIP_STORE"  # host:port of the membership store
 ENV_MEMBER = "MEGATIER_MEMBER_ID"  # a process's lifelong id
 ENV_SPARE = "MEGATIER_SPARE"  # "1": start idle and wait for a round to give the process a rank
 ENV_RUN = "MEGATIER_RUN_ID"  # the launch's id: its rounds' keys, apart from other launches on the same store
-FAULT_ENV = ("MEGATIER_CRASH_AT",)  # a drill's armed crash belongs to the rank it was armed on, not to a spare
+FAULT_ENV = ("MEGATIER_CRASH_AT",)
+# A clean stop (Ctrl-C, SIGTERM: every rank stops after the same step and exits so) is no death to recover.
+STOPPED = (130, 143)  # a drill's armed crash belongs to the rank it was armed on, not to a spare
 
 
 def _die_with_parent() -> None:
@@ -154,7 +156,7 @@ class NodeAgent:
         self._beat()
         for child in self.children:
             code = child.process.poll()
-            if code not in (None, 0) and child.reported is None:
+            if code not in (None, 0, *STOPPED) and child.reported is None:
                 child.reported = MembershipRound.decided_epochs(self.store, self.prefix)
                 MembershipRound(self.store, 0, self.prefix).report_dead(child.member)
                 self._say(f"{child.describe()} {death(code)}; reported to the membership round")

@@ -171,3 +171,19 @@ def test_the_agent_says_which_process_died_and_how():
     assert child.describe() == f"node1/0 (rank 2, pid {child.process.pid})"
     assert death(-9) == "was killed by SIGKILL" and death(1) == "exited with status 1"
     assert Child("node1/spare0", child.process).describe().startswith("node1/spare0 (spare, pid ")
+
+
+def test_a_clean_stop_is_not_reported_as_a_death(monkeypatch):
+    from megatier.launcher.agent import Child, NodeAgent
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    agent = NodeAgent(["-c", "pass"], node="node0", node_rank=0, nodes=1, procs=0, spares=1,
+                      store=f"127.0.0.1:{server.port}", run_id="t")
+    agent.store = server
+    for code in (130, 143, 1):
+        process = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({code})"])
+        agent.children.append(Child(f"node0/{code}", process, rank=0))
+    for child in agent.children:
+        child.process.wait()
+    agent.poll()
+    assert MembershipRound(server, 0, run_prefix("t")).reported_dead() == {"node0/1"}
