@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from typing import Optional
 
 import xxhash
 
@@ -50,12 +51,34 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
     for key in ("model.impl", "model.layernorm_impl", "optim.grad_norm_impl"):
         fp.pop(key)  # which library computes the same function: a relaunch may switch it
     fp.pop("optim.use_checkpoint_scheduler")  # how a resume treats the recorded schedule, not a state
+    for key, default in ADDED_LATER.items():  # at the value that trains as before they existed: not recorded
+        if fp[key] == json.dumps(default):
+            del fp[key]
     return fp
+
+
+# Keys added after jobs were already checkpointed, with the value that trains as those jobs did. A job written
+# before a key existed has the same fingerprint as one that leaves it there, so an upgrade refuses no relaunch.
+ADDED_LATER = {"optim.warmup_fraction": None, "optim.warmup_init_lr": 0.0, "optim.decay_style": "cosine",
+               "optim.wsd_decay_iters": None, "optim.wsd_decay_style": "exponential",
+               "train.rampup_batch_size": None}
 
 
 # The LR schedule's keys, which optim.use_checkpoint_scheduler takes from the job's record.
 SCHEDULE_KEYS = ("optim.lr", "optim.min_lr", "optim.warmup_iters", "optim.warmup_fraction", "optim.warmup_init_lr",
                  "optim.decay_iters", "optim.decay_style", "optim.wsd_decay_iters", "optim.wsd_decay_style")
+
+
+def fingerprint_keys() -> set[str]:
+    """Every key a fingerprint may hold (those :data:`ADDED_LATER` too, which a default config leaves out)."""
+    return set(state_fingerprint(Config(), "")) | set(ADDED_LATER)
+
+
+def recorded_value(record: dict[str, str], key: str) -> Optional[str]:
+    """``key``'s JSON value in a job's ``record``: a key added later and absent there has its earlier value."""
+    if key in record:
+        return record[key]
+    return json.dumps(ADDED_LATER[key]) if key in ADDED_LATER else None
 
 
 def followed_keys(cfg: Config) -> tuple[str, ...]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatier.config import OptimConfig
-from megatier.config.fingerprint import SCHEDULE_KEYS
+from megatier.config.fingerprint import SCHEDULE_KEYS, recorded_value
 from megatier.config.schema import LR_DECAY_STYLES, WSD_DECAY_STYLES
 from megatier.data.ramp import BatchRamp
 
@@ -91,8 +91,10 @@ class LRSchedule:
 
     def following(self, recorded: dict[str, str]) -> "LRSchedule":
         """This schedule with the values a job's record holds for its keys (``optim.<field>``: JSON, as the
-        config fingerprint has them); a key the record lacks keeps this schedule's value."""
-        values = {key.removeprefix("optim."): json.loads(recorded[key]) for key in SCHEDULE_KEYS if key in recorded}
+        config fingerprint has them); a key the record lacks keeps this schedule's value, unless it was added
+        after the record was written, which trained with its earlier value then."""
+        found = {key: recorded_value(recorded, key) for key in SCHEDULE_KEYS} if recorded else {}
+        values = {key.removeprefix("optim."): json.loads(v) for key, v in found.items() if v is not None}
         return dataclasses.replace(self, **values)
 
     def state_dict(self) -> dict:

@@ -157,10 +157,9 @@ def check_remote_url(url: str, endpoint_url: Optional[str]) -> None:
 
 
 def _check_allow_changes(keys: list[str]) -> None:
-    from megatier.config.fingerprint import state_fingerprint  # the keys a fingerprint has
-    from megatier.config.schema import Config
+    from megatier.config.fingerprint import fingerprint_keys
 
-    known = set(state_fingerprint(Config(), ""))
+    known = fingerprint_keys()
     for key in keys:
         _require(key == "*" or key in known,
                  f"checkpoint.allow_changes has {key!r}, which is not part of the config fingerprint; use keys such "
