@@ -47,67 +47,22 @@ from megatier import ops
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
+from megatier.checkpoint.health import TierHealth, final_status
 from megatier.checkpoint.policy import replicas
 from megatier.checkpoint.policy.auto_interval import CostMeter, decide, initial_interval, replay_seconds_per_step
 from megatier.checkpoint.recover.loops import closed
 from megatier.checkpoint.recover.restore import RecoveryResult
 from megatier.checkpoint.recover.restore import restore as recover
 from megatier.checkpoint.save.base_capture import BaseCapturer
+from megatier.checkpoint.save.clock import PhaseClock
 from megatier.checkpoint.save.worker import SaveWorker
 from megatier.checkpoint.shard import ShardAccess
-from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, TIER_ORDER
+from megatier.checkpoint.tiers.base import TIER1
 from megatier.checkpoint.tiers.durable import save_thread_tiers
+from megatier.checkpoint.watermark import WatermarkSync
 
 log = logging.getLogger(__name__)
 _GIB = 1 << 30
-_NONE = -1  # "no point yet" in the integer all-gather
-
-
-def _worst(per_rank: list[int], floor: int) -> Optional[int]:
-    """A failure class's recovery point is its worst rank's; any rank may fall back to ``floor`` (Tier-3)."""
-    best = [max(p, floor) for p in per_rank]
-    return None if _NONE in best else min(best)
-
-
-def recovery_points(columns: dict[str, list[int]], step: int) -> dict:
-    """Per-class recovery points and tier lags from each tier's per-rank points (``_NONE``: none).
-
-    ``columns[label][r]`` is rank r's point on tier ``label`` (Tier-3's is rank 0's, the coordinator's).
-    A software failure recovers from Tier-1; a node failure serves the lost node's ranks from Tier-2 and
-    the rest from Tier-1, so every rank must assume the worse of the two; a rack failure from Tier-3.
-    A class whose tier is absent falls back to the rack point.
-    """
-    t3 = columns[TIER3][0] if TIER3 in columns else _NONE
-    rack = t3 if t3 != _NONE else None
-    software = _worst(columns[TIER1], t3) if TIER1 in columns else rack
-    node = rack
-    if TIER2 in columns:
-        node = _worst([min(a, b) for a, b in zip(columns[TIER1], columns[TIER2])], t3)
-    t2_lag = None
-    if TIER2 in columns and min(columns[TIER2]) != _NONE:
-        t2_lag = step - min(columns[TIER2])
-    return {"rpo_software": software, "rpo_node": node, "rpo_rack": rack, "t2_lag_steps": t2_lag,
-            "t3_lag_steps": (step - rack) if rack is not None else None}
-
-
-class _PhaseClock:
-    """Milliseconds between laps, by the name of the part that just ended."""
-
-    def __init__(self) -> None:
-        self.laps: dict[str, float] = {}
-        self._t = time.perf_counter()
-
-    def lap(self, part: str) -> None:
-        now = time.perf_counter()
-        self.laps[part] = 1000.0 * (now - self._t)
-        self._t = now
-
-    def add_since(self, part: str, start: float) -> None:
-        """Add the time since ``start`` (a perf_counter reading after the last lap) to ``part``; the next lap
-        starts now."""
-        now = time.perf_counter()
-        self.laps[part] = self.laps.get(part, 0.0) + 1000.0 * (now - start)
-        self._t = now
 
 
 class CheckpointManager:
@@ -128,7 +83,7 @@ class CheckpointManager:
         saving = [t for t in ctx.tiers if t.saves]
         self._lockstep = [t for t in saving if t.lockstep]
         self.watermark: Optional[int] = None
-        self._syncs: list = []  # started watermark syncs not yet applied: (step, tiers, PendingInts)
+        self.syncs = WatermarkSync(ctx.comm, ctx.tiers)
         memory = next((getattr(t, "memory", None) for t in ctx.tiers if t.label == TIER1 and t.saves), None)
         stage = memory.capture_area(ctx.rank) if memory is not None and model is not None else None
         self.capture = BaseCapturer(self.cfg, shard, model, rank=ctx.rank, stage=stage)  # model: the schedule
@@ -137,7 +92,7 @@ class CheckpointManager:
         self._last: dict = {}
         self._reported = {"diff": 0, "base": 0}
         self._budget_warned = 0.0
-        self._troubled: dict[str, str] = {}  # tier label -> its trouble at the last sync (see _degraded)
+        self.health = TierHealth(ctx)
         self._step_tiers = [t for t in saving if t.takes_steps] if self.cfg.diff.per_step else []
         # Tier-3 gets every remote.base_every-th base from the anchor, every other unit as it comes
         # (policy/cadence.py).
@@ -221,7 +176,7 @@ class CheckpointManager:
         self._step = step
         if self._auto is not None:
             self._auto.step_done()
-        clock = _PhaseClock()
+        clock = PhaseClock()
         odd = self._check_replicas(step)
         clock.lap("replicas")
         closes = (step - self.anchor) % self.cfg.diff.batch == 0
@@ -255,7 +210,7 @@ class CheckpointManager:
         return odd
 
     @staticmethod
-    def _parked(fn, clock: _PhaseClock):
+    def _parked(fn, clock: PhaseClock):
         """``fn()`` with the rest of the loop's team asleep; the wait for the team to wake and leave the region
         afterwards (a core must be free for it) is the ``unpark`` lap."""
         ended = []
@@ -269,7 +224,7 @@ class CheckpointManager:
         clock.add_since("unpark", ended[0])
         return out
 
-    def _compress(self, step: int, clock: _PhaseClock) -> tuple[DiffStep, int]:
+    def _compress(self, step: int, clock: PhaseClock) -> tuple[DiffStep, int]:
         # Compressed here, in the loop (on a GPU, kernels on the training stream, as in TierCheck), by
         # checkpoint.diff.threads of its CPU threads. A helper thread doing it costs more CPU and, preempting a
         # member of the loop's team, holds the whole step up: the team waits at each parallel pass's barrier
@@ -279,7 +234,7 @@ class CheckpointManager:
         return out
 
     def _save_diff(self, step: int, compressed: tuple[DiffStep, int], closes: bool,
-                   clock: _PhaseClock) -> tuple[DiffStep, int, list[Union[PayloadId, EncodedPayload]]]:
+                   clock: PhaseClock) -> tuple[DiffStep, int, list[Union[PayloadId, EncodedPayload]]]:
         """This step's record into Tier-1 as a step unit (or its batch's id, when the record closes it, for the
         next step's hand-over); returns the record, its bytes and the units the previous step finished."""
         record, nbytes = compressed
@@ -292,7 +247,7 @@ class CheckpointManager:
         return record, nbytes, handoff
 
     def _hand_on(self, step: int, record: DiffStep, nbytes: int, closes: bool,
-                 handoff: list[Union[PayloadId, EncodedPayload]], base, clock: _PhaseClock) -> None:
+                 handoff: list[Union[PayloadId, EncodedPayload]], base, clock: PhaseClock) -> None:
         """The rest of the step's save path, after the base capture: hand-over, ticks, submits, sync, budget (not
         parked: see :meth:`after_step`)."""
         if base is not None:
@@ -393,63 +348,20 @@ class CheckpointManager:
     # ---- watermark, recovery points, reclamation ---------------------------------------------
 
     def _sync(self, step: int) -> None:
-        """Start this batch end's all-gather of the watermark and every tier's recovery point, and use the ones
-        that have completed.
-
-        The gather is not waited for here: a rank that reaches the batch end first would otherwise hold its
-        loop until the slowest rank arrives (tens of milliseconds on a loaded box). It completes while the ranks
-        train, and is read at the next batch end (or at once when it is already done, e.g. in a world of one), so the
-        watermark and the ``rpo_*`` metrics are at most one batch old. At most one gather is left running.
-        """
-        tiers = [t for t in self.ctx.tiers if t.saves]  # a read-only tier has no recovery point of this run
-        durable = max((b for t in tiers if (b := t.durable_base()) is not None), default=None)
-        points = {t.label: t.point() for t in tiers}  # a column per label: a rank with no ring holder lacks Tier-2
-        mine = [_NONE if points.get(label) is None else points[label] for label in TIER_ORDER]
-        holds = int(all(t.holds_job() for t in tiers))
-        pending = self.ctx.comm.gather_ints_async(mine + [holds, durable if durable is not None else _NONE],
-                                                  what=f"the checkpoint watermark sync after step {step}")
-        self._syncs.append((step, tiers, pending))
+        """Start this batch end's watermark sync (:mod:`megatier.checkpoint.watermark`) and use those done."""
+        self.syncs.start(step)
         self._absorb_syncs(block=False)
-        self._last["degraded"] = self._degraded()
+        self._last["degraded"] = self.health.degraded()
 
     def _absorb_syncs(self, block: bool) -> None:
-        """Apply the started syncs in order: the completed ones, any but the newest, and with ``block`` all."""
-        while self._syncs:
-            step, tiers, pending = self._syncs[0]
-            if not (block or len(self._syncs) > 1 or pending.done()):
-                return
-            rows = pending.wait()
-            self._syncs.pop(0)
-            self._apply_sync(step, tiers, rows)
-
-    def _apply_sync(self, step: int, tiers: list, rows: list[list[int]]) -> None:
-        columns = {t.label: [row[TIER_ORDER.index(t.label)] for row in rows] for t in tiers}
-        self._last = recovery_points(columns, step)
-        self._last.update(self.worker.tier_metrics)  # taken on the save thread after its previous reclaim
-        if rows[0][-2] == 1:  # global rank 0 holds every tier (Tier-3's lease): writes may go out
-            for tier in tiers:
-                tier.allow_writes()
-        committed = rows[0][-1]  # the coordinator's (global rank 0's) newest committed base
-        if committed != _NONE and (self.watermark is None or committed > self.watermark):
+        if not self.syncs.absorb(block):
+            return
+        self._last = {**self.syncs.points, **self.worker.tier_metrics}  # the save thread's, after its last reclaim
+        committed = self.syncs.committed
+        if committed is not None and (self.watermark is None or committed > self.watermark):
             self.watermark = committed
         # Node memory also keeps to its own retention while Tier-3 is behind; the save thread deletes.
         self.worker.submit_reclaim(self.watermark, self.ctx.tiers)
-
-    def _degraded(self) -> Optional[str]:
-        """Tiers that cannot store what they are given now. One console line when a tier's trouble starts and one
-        when it ends (Tier-3's on global rank 0 only: it is one store for every rank)."""
-        problems = {t.label: p for t in self.ctx.tiers if (p := t.degraded()) is not None}
-        for label in sorted(set(problems) | set(self._troubled)):
-            if label == TIER3 and self.ctx.rank != 0:
-                continue
-            if label in problems and label not in self._troubled:
-                log.warning("rank %d: checkpointing is degraded, training goes on: %s", self.ctx.rank,
-                            problems[label])
-            elif label not in problems:
-                where = next(t.where() for t in self.ctx.tiers if t.label == label)
-                log.warning("rank %d: %s is healthy again; what it missed is being stored", self.ctx.rank, where)
-        self._troubled = problems
-        return "; ".join(problems[k] for k in sorted(problems)) if problems else None
 
     # ---- metrics and shutdown ----------------------------------------------------------------
 
@@ -469,9 +381,9 @@ class CheckpointManager:
     def close(self, timeout: Optional[float] = None, *, failed: bool = False) -> dict:
         """Drain: finish serializing, hand the last units over, move them, final commit (collective).
 
-        Tier-3 gets at most ``checkpoint.remote.drain_timeout_s``; returns the final status
-        (:meth:`_final_status`), which says loudly when Tier-3 stayed behind. Unless the launch ``failed``, the
-        restore it started from is marked clean in the job's restore history (megatier.checkpoint.recover.loops).
+        Tier-3 gets at most ``checkpoint.remote.drain_timeout_s``; returns the final status (:func:`~megatier.
+        checkpoint.health.final_status`), which says loudly when Tier-3 stayed behind. Unless the launch ``failed``,
+        the restore it started from is marked clean in the job's restore history (megatier.checkpoint.recover.loops).
         """
         timeout = timeout if timeout is not None else self.ctx.timeout_s
         self._absorb_syncs(block=True)  # before any other collective of the comm
@@ -496,14 +408,14 @@ class CheckpointManager:
                 tier.record_restores(closed(self._restored.history))
         for tier in self.ctx.tiers:
             tier.close(timeout)
-        return self._final_status()
+        return final_status(self.ctx, self._step)  # close() ended the open batch at the last step
 
     def abort(self, timeout: float) -> None:
         """The job's world broke mid-run (in-process recovery): stop every helper thread without a collective.
         The save thread stores what it holds (node memory keeps it as a recovery source), the tiers stop
         theirs (:meth:`Tier.abort`); gathers in flight are dropped with their process group. The manager
         cannot be used afterwards: the re-formed job builds a new one."""
-        self._syncs = []
+        self.syncs.drop()
         self.ctx.comm.abandon()
         self.capture.close()
         try:
@@ -541,24 +453,3 @@ class CheckpointManager:
             self._handoff = [u for u in self._handoff if not (
                 isinstance(u, EncodedPayload) and u.stamp.pid.kind == STEP and batch.first <= u.stamp.pid.last)]
             self._handoff.append(batch)
-
-    def _final_status(self) -> dict:
-        """Where the run's checkpoints stand at exit; the same on every rank (one gather)."""
-        tiers = {t.label: t for t in self.ctx.tiers}
-        saved = self._step  # close() ended the open batch at the last step
-        rack = tiers[TIER3].point() if TIER3 in tiers else None
-        rows = self.ctx.comm.gather({"behind": sum(t.behind() for t in self.ctx.tiers), "rack": rack},
-                                    what="the final checkpoint status")
-        status = {"checkpoint_saved_step": saved, "checkpoint_durable_step": rows[0]["rack"],
-                  "checkpoint_units_behind": sum(r["behind"] for r in rows), "checkpoint_behind": False}
-        if TIER3 in tiers:
-            durable = status["checkpoint_durable_step"]
-            status["checkpoint_behind"] = durable is None or durable < saved or status["checkpoint_units_behind"] > 0
-        if status["checkpoint_behind"] and self.ctx.rank == 0:
-            memory = [t.where() for t in self.ctx.tiers if t.label != TIER3]
-            log.warning("%s is %d units behind at exit: the last durable version is %s (a rack failure resumes "
-                        "there), the job saved through step %d; the newer units remain only in %s, from which a "
-                        "relaunch recovers and then uploads a fresh base", tiers[TIER3].where(),
-                        status["checkpoint_units_behind"], f"v{durable}" if durable is not None else "none",
-                        saved, ", ".join(memory) or "no other tier")
-        return status

@@ -41,3 +41,17 @@ def gathered_canonical_digest(shard: ShardState, group: dist.ProcessGroup) -> st
     result = [canonical_digest(assemble([p for ps in gathered for p in ps]))] if gathered is not None else [None]
     dist.broadcast_object_list(result, src=first, group=group)
     return result[0]
+
+
+def optimizer_state_digest(optimizer, step: int, group: dist.ProcessGroup) -> str:
+    """xxh64 over every rank's full training state (the ZeRO shard of ``optimizer`` at ``step``), combined in
+    rank order over ``group``."""
+    local = shard_digest(optimizer.state_tensors(), {"step": step, "adam_steps": optimizer.adam_steps})
+    return combined_digest(local, group)
+
+
+def optimizer_canonical_digest(optimizer, tp_rank: int, tp: int, group: dist.ProcessGroup) -> str:
+    """xxh64 of the job's optimizer state by parameter name, unpadded: equal for equal state under any layout
+    (:mod:`megatier.optim.canonical`)."""
+    tensors = {k: t.detach().cpu() for k, t in optimizer.state_tensors().items()}
+    return gathered_canonical_digest(ShardState(tp_rank, tp, optimizer.shard_segments, tensors), group)

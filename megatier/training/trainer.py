@@ -41,11 +41,10 @@ from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, gradient_
 from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
 from megatier.model.params import stage_spec
-from megatier.observe.digest import combined_digest, gathered_canonical_digest, shard_digest
+from megatier.observe.digest import optimizer_canonical_digest, optimizer_state_digest
 from megatier.observe.goodput import GoodputLedger, NullLedger, process_started
 from megatier.observe.metrics import MetricsLogger, NullLogger
 from megatier.optim.adamw import DistributedAdamW, Reduced
-from megatier.optim.canonical import ShardState
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
@@ -426,18 +425,11 @@ class Trainer(InPlaceRecovery):
             self.interrupted_at = step
 
     def state_digest(self) -> str:
-        """xxh64 over every rank's full training state, combined in rank order."""
-        o = self.optimizer
-        local = shard_digest(o.state_tensors(), {"step": self.step, "adam_steps": o.adam_steps})
-        return combined_digest(local, self.ps.checkpoint_group)
+        return optimizer_state_digest(self.optimizer, self.step, self.ps.checkpoint_group)
 
     def canonical_digest(self) -> str:
-        """xxh64 of the job's optimizer state by parameter name, unpadded: equal for equal state under any
-        layout (:mod:`megatier.optim.canonical`)."""
-        o, ps = self.optimizer, self.ps
-        tensors = {k: t.detach().cpu() for k, t in o.state_tensors().items()}
-        return gathered_canonical_digest(ShardState(ps.tp_rank, ps.tp, o.shard_segments, tensors),
-                                         ps.checkpoint_group)
+        """Equal for equal state under any layout (:func:`~megatier.observe.digest.optimizer_canonical_digest`)."""
+        return optimizer_canonical_digest(self.optimizer, self.ps.tp_rank, self.ps.tp, self.ps.checkpoint_group)
 
     def close(self, *, failed: bool = False) -> dict:
         """Drain checkpoints, write the summary record (with state_digest), shut down sinks and groups; ``failed``:

@@ -6,8 +6,9 @@ import torch
 
 from megatier.checkpoint.format.finite import NonFiniteState
 from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.manager import CheckpointManager, recovery_points
+from megatier.checkpoint.manager import CheckpointManager
 from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2, TIER3
+from megatier.checkpoint.watermark import recovery_points
 from tests.unit.checkpoint.memory import MemoryTier, context, snapshot, step, tiny_shard
 
 pytestmark = pytest.mark.timeout(60)
