@@ -4,6 +4,8 @@
 #
 #   device:  bash tools/gpu/check.sh         with build/gpu-wheels carried (make gpu-wheels fetches them here)
 #   here:    bash tools/gpu/check.sh --dry
+#   PHASES="bench recovery" bash tools/gpu/check.sh    only those phases (a second call on the still-warm machine
+#                                                       reuses the megatier._C the build phase left in place)
 #
 # Phases, each with its own time limit, each writing $OUT/<phase>.log and one line to $OUT/summary.txt as it
 # ends, so a phase that runs out of time loses nothing the earlier ones found:
@@ -36,8 +38,11 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 
+PHASES="${PHASES:-env build tests compress bench recovery}"
+
 phase() {  # phase NAME SECONDS COMMAND: run COMMAND in bash under a time limit, log it, say how it ended
     local name=$1 limit=$2 cmd=$3 t0 rc
+    case " $PHASES " in *" $name "*) ;; *) return 0 ;; esac
     t0=$(date +%s)
     timeout --kill-after=10 "$limit" bash -c "$cmd" > "$OUT/$name.log" 2>&1
     rc=$?
@@ -70,8 +75,10 @@ else
     phase env 90 "nvidia-smi; $PY -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'
         nvcc --version; echo CUDA_HOME=$CUDA_HOME; df -h /dev/shm; nproc; free -g
         $PY benchmarks/bench_transfer.py --mib 256 --repeats 5"
+    # every phase imports them, so they go in first whichever phases run
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1 \
+        || echo "wheels: install failed; log $OUT/wheels.log" | tee -a "$OUT/summary.txt"
     phase build 300 "set -e
-        $PY -m pip install -q --no-index --no-deps --no-compile --target $SITE $WHEELS/*.whl
         if ! MEGATIER_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY setup.py -q build_ext --inplace; then
             echo 'build failed; using build/gpu-prebuilt' && cp build/gpu-prebuilt/_C*.so megatier/
         fi

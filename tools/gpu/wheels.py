@@ -5,7 +5,8 @@
 
 The lent GPU machine (Python 3.12, torch 2.11 with CUDA, no network) has the numeric stack but not what MegaTier
 composes configs and reaches S3 with: hydra-core, omegaconf and antlr4-python3-runtime (an sdist only: built into
-a wheel here), boto3, botocore, s3transfer and jmespath. The versions are this environment's, so the device runs
+a wheel here), boto3, botocore, s3transfer and jmespath, and setproctitle (a compiled extension: its CPython 3.12
+manylinux wheel). The versions are this environment's, so the device runs
 what the tests here ran. wandb stays behind (runs there use ``logging.wandb.mode=disabled``), and so does
 Transformer Engine (its core wheel alone is far over what a device call carries). A trimmed NVIDIA apex wheel
 built for the device (``apex-*.whl``: only ``amp_C`` and ``fused_layer_norm_cuda``, for torch 2.11+cu130 and
@@ -26,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_DEST = REPO / "build" / "gpu-wheels"
 PURE = ("hydra-core", "omegaconf", "boto3", "botocore", "s3transfer", "jmespath")
 SDIST_ONLY = ("antlr4-python3-runtime",)
+COMPILED = ("setproctitle",)
 
 
 def pinned(names) -> list[str]:
@@ -38,6 +40,9 @@ def fetch(dest: Path, apex: "Path | None") -> list[str]:
     pip = [sys.executable, "-m", "pip"]
     subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
                     "--implementation", "cp", "--platform", "any", "-d", str(dest), *pinned(PURE)], check=True)
+    subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+                    "--implementation", "cp", "--platform", "manylinux2014_x86_64", "-d", str(dest),
+                    *pinned(COMPILED)], check=True)
     subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(dest), *pinned(SDIST_ONLY)], check=True)
     for wheel in glob.glob(str(apex / "apex-*.whl")) if apex is not None else []:
         shutil.copy2(wheel, dest)
