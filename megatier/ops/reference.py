@@ -106,8 +106,10 @@ def quantize_int8(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     nb = (n + block_size - 1) // block_size
     xb = torch.nn.functional.pad(x, (0, nb * block_size - n)).view(nb, block_size)
     amax = xb.abs().amax(dim=1) if nb else x.new_empty(0)
-    scales = amax / 127.0
-    inv = torch.full_like(amax, 127.0) / amax  # (not 127.0 / amax: torch computes that as reciprocal * 127)
+    # Both divisions tensor by tensor: torch computes a division by a Python scalar on CUDA, and a scalar divided
+    # by a tensor everywhere, as a multiplication by the reciprocal, one rounding off the kernels' division.
+    scales = amax / torch.full_like(amax, 127.0)
+    inv = torch.full_like(amax, 127.0) / amax
     q = torch.round(xb * inv[:, None]).clamp_(-127.0, 127.0).nan_to_num_(0.0)
     return q.to(torch.int8).view(-1)[:n].contiguous(), scales.contiguous()
 

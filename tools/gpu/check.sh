@@ -15,13 +15,15 @@
 #   tests     pytest tests/gpu (the CUDA kernels against the CPU ones, the NCCL tiered run, the lossless drill)
 #   compress  bench_compression: a 124M-element shard compressed the batched way (no host sync) and chunk by
 #             chunk, time and host syncs side by side (compress.json beside the log)
+#   syncs     tools/gpu/sync_points: every place a tiered-checkpointing job on gpt2_124m makes the host wait for
+#             the GPU after its warm-up steps, ranked by count
 #   bench     bench_overhead on gpt2_124m, bf16, seq 1024: none, megatier (a diff every step, a base every
 #             50), DCP async_save and torch.save every 25 (bench.json beside the log)
 #   recovery  bench_recovery's software drill on the GPU
 # Dry: the pure-Python wheels into a temporary folder, setup.py's build settings read (GPU_CHECK_BUILD=1 also
 # builds the CPU kernels in a copy of the tree: minutes on 2 cores, which make install spends already), tests/gpu
-# collected, bench_compression on 1M elements and the benchmark's megatier row on model=tiny for 3 steps, both on
-# the CPU.
+# collected, bench_compression on 1M elements, sync_points for 4 steps and the benchmark's megatier row on
+# model=tiny for 3 steps, all on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
@@ -38,7 +40,7 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 
-PHASES="${PHASES:-env build tests compress bench recovery}"
+PHASES="${PHASES:-env build tests compress syncs bench recovery}"
 
 phase() {  # phase NAME SECONDS COMMAND: run COMMAND in bash under a time limit, log it, say how it ended
     local name=$1 limit=$2 cmd=$3 t0 rc
@@ -64,6 +66,8 @@ if [ "$DRY" = 1 ]; then
         fi"
     phase tests 120 "$PY -m pytest -q -p no:cacheprovider --collect-only tests/gpu"
     phase compress 60 "$PY benchmarks/bench_compression.py --device cpu --size 1M --reps 1"
+    phase syncs 120 "$PY -m tools.gpu.sync_points --device cpu --iters 4 --warmup 1 -- data.seq_len=64 \
+        train.global_batch_size=4 train.micro_batch_size=2"
     phase bench 300 "set -e
         $PY benchmarks/bench_overhead.py --model tiny --rows megatier --repeats 1 --iters 3 --warmup 1 \
             --out-json $OUT/bench.json -- train.device=cpu data.default_corpus_mib=1 data.seq_len=64
@@ -77,21 +81,26 @@ else
         $PY benchmarks/bench_transfer.py --mib 256 --repeats 5"
     # every phase imports them, so they go in first whichever phases run
     $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1 \
-        || echo "wheels: install failed; log $OUT/wheels.log" | tee -a "$OUT/summary.txt"
+        && rm "$OUT/wheels.log" || echo "wheels: install failed; log $OUT/wheels.log" | tee -a "$OUT/summary.txt"
     phase build 300 "set -e
         if ! MEGATIER_CUDA=1 TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 $PY setup.py -q build_ext --inplace; then
             echo 'build failed; using build/gpu-prebuilt' && cp build/gpu-prebuilt/_C*.so megatier/
         fi
         $PY -c 'import torch, megatier._C as c; print(\"megatier._C\", c.__file__, \"cuda\", c.WITH_CUDA)'"
-    phase tests 240 "$PY -m pytest -q -p no:cacheprovider -x tests/gpu"
+    # every test runs (one failure must not hide the next); the jobs' logs come back as one archive
+    phase tests 240 "$PY -m pytest -q -p no:cacheprovider -rfEs --basetemp=/tmp/megatier-gpu-tests tests/gpu; rc=\$?
+        cd /tmp/megatier-gpu-tests && find . -name '*.log' -o -name '*.json' -o -name '*.txt' | tar czf $OUT/test-logs.tgz -T -
+        exit \$rc"
     phase compress 60 "$PY benchmarks/bench_compression.py --device cuda --size 124M --reps 5 --json $OUT/compress.json"
+    phase syncs 150 "$PY -m tools.gpu.sync_points --iters 12 --warmup 4 -- model=gpt2_124m train.precision=bf16 \
+        data.seq_len=1024 train.global_batch_size=8 train.micro_batch_size=8 data.default_corpus_mib=8"
     phase bench 300 "set -e
         $PY benchmarks/bench_overhead.py --model gpt2_124m --rows none,megatier,dcp_async_save,sync_torch_save \
             --k 25 --repeats 1 --iters 60 --warmup 20 --base-interval 50 --out-json $OUT/bench.json -- \
             train.device=cuda train.precision=bf16 data.seq_len=1024 train.global_batch_size=8 \
             train.micro_batch_size=8 data.default_corpus_mib=8 checkpoint.remote.fsync=false
         $PY -m tools.gpu.summarize $OUT/bench.json"
-    phase recovery 150 "$PY benchmarks/bench_recovery.py --part classes --classes software --points 1 --quick \
+    phase recovery 150 "$PY benchmarks/bench_recovery.py --part classes --classes software --points 2 --quick \
         --nodes 1 --procs-per-node 1 -- train.device=cuda"
 fi
 echo "gpu-check ($([ $DRY = 1 ] && echo dry || echo device)): results in $OUT"
