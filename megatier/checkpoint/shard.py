@@ -191,8 +191,10 @@ class ShardAccess:
     def replay(self, steps: Sequence[DiffStep]) -> None:
         """Apply consecutive diff steps with one fused ``adamw_replay`` pass (one batch per call)."""
         o = self.optimizer
+        device = o.master.device  # a tier hands records over in host memory; the state may live on a GPU
         grads: list[Optional[CompressedRecord]] = [
-            None if s.skipped else CompressedRecord(dict(s.header), dict(s.tensors)) for s in steps]
+            None if s.skipped else CompressedRecord(dict(s.header), {k: t.to(device) for k, t in s.tensors.items()})
+            for s in steps]
         c = o.cfg
         ops.adamw_replay(o.master, o.exp_avg, o.exp_avg_sq, grads, [s.adam_step for s in steps],
                          [s.lr for s in steps], c.beta1, c.beta2, c.eps, c.weight_decay, o.decay_ranges,

@@ -108,7 +108,9 @@ def quantize_int8(x: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch
     amax = xb.abs().amax(dim=1) if nb else x.new_empty(0)
     # Both divisions tensor by tensor: torch computes a division by a Python scalar on CUDA, and a scalar divided
     # by a tensor everywhere, as a multiplication by the reciprocal, one rounding off the kernels' division.
-    scales = amax / torch.full_like(amax, 127.0)
+    # A NaN block's scale is the canonical NaN whatever the input's NaN bits and the device (a GPU's arithmetic
+    # makes every NaN 0x7fffffff), as the kernels write it.
+    scales = torch.where(amax.isnan(), torch.nan, amax / torch.full_like(amax, 127.0))
     inv = torch.full_like(amax, 127.0) / amax
     q = torch.round(xb * inv[:, None]).clamp_(-127.0, 127.0).nan_to_num_(0.0)
     return q.to(torch.int8).view(-1)[:n].contiguous(), scales.contiguous()

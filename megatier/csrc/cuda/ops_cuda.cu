@@ -63,7 +63,8 @@ __global__ void quantize_kernel(const float* __restrict__ x, int64_t n, int64_t 
   __syncthreads();
   kmax = red[0];
   const float amax = __uint_as_float(kmax > 0x7f800000u ? 0x7fc00000u : kmax);
-  if (threadIdx.x == 0) scales[b] = __fdiv_rn(amax, 127.0f);
+  // A NaN block's scale is the canonical NaN, as on the CPU: the GPU's division would make it 0x7fffffff.
+  if (threadIdx.x == 0) scales[b] = kmax > 0x7f800000u ? amax : __fdiv_rn(amax, 127.0f);
   const float inv = __fdiv_rn(127.0f, amax);
   for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
     float q = __fmul_rn(x[a + i], inv);

@@ -74,6 +74,18 @@ def test_int8_special_values_and_rounding():
     assert torch.equal(s1.isnan(), s2.isnan()) and torch.equal(s1.nan_to_num(), s2.nan_to_num())
 
 
+@native_only
+def test_int8_nan_block_scale_is_the_canonical_nan():
+    """Whatever NaN a block holds, its scale is 0x7fc00000 from the kernel and the reference alike (a GPU's
+    arithmetic turns every NaN into 0x7fffffff, so the bits must not come from a division)."""
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3))
+    x[7] = torch.tensor(0x7FC00001, dtype=torch.int32).view(torch.float32)  # a NaN with a payload
+    x[300] = torch.tensor(-0x00400000, dtype=torch.int32).view(torch.float32)  # a negative NaN
+    for codes, scales in (ops.quantize_int8(x, 256), reference.quantize_int8(x, 256)):
+        assert scales.view(torch.int32)[:2].tolist() == [0x7FC00000] * 2
+        assert codes.eq(0).all()
+
+
 def test_int8_reference_backend_roundtrip(reference_backend):
     x = torch.randn(3000, generator=_gen())
     codes, scales = ops.quantize_int8(x, 128)
