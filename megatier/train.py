@@ -27,6 +27,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if {"--cfg", "-c"} & set(overrides):
         return print_config(overrides)
+    status, trainer = run(overrides)
+    if trainer is not None and trainer.membership_epoch:  # the failed worlds' groups are not torn down safely
+        outcome.exit_skipping_teardown(status)
+    return status
+
+
+def run(overrides: list[str]) -> tuple[int, Optional[Trainer]]:
+    """Train the job of ``overrides`` on this process: its exit status and the trainer, if one was built."""
     console.set_up()
     stop = StopRequest(announce=is_rank0() and not inprocess.is_spare()).install()  # a waiting spare has no rank
     trainer = cfg = None
@@ -36,26 +44,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         stop.set_limits(cfg.train.exit_interval, cfg.train.exit_duration_in_mins)
         needed, membership = inprocess.wait_if_spare(cfg)  # a hot spare waits
         if not needed:
-            return 0
+            return 0, None
         trainer = Trainer(cfg, stop=stop, membership=membership)
         trainer.train()
         summary = trainer.close()
     except inprocess.JobEnded:  # a survivor of a dropped replica, not needed again
-        return 0
+        return 0, trainer
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: no drain
-        return outcome.interrupted_twice(trainer, stop.signal)
+        return outcome.interrupted_twice(trainer, stop.signal), trainer
     except outcome.DIVERGED as e:
-        return outcome.diverged(trainer, e)
+        return outcome.diverged(trainer, e), trainer
     except Exception as e:
         refused = outcome.refusal(e)
         if refused is None:
             raise
-        return outcome.refuse(*refused)
+        return outcome.refuse(*refused), trainer
     finally:
         inprocess.release_spares(trainer, cfg.recovery if cfg is not None else None)
         outcome.drop_process_group()
         stop.uninstall()
-    return outcome.finished(trainer, summary)
+    return outcome.finished(trainer, summary), trainer
 
 
 def print_config(argv: list[str]) -> int:

@@ -24,6 +24,7 @@ rank 0 prints it, so a job of any size prints one line.
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -56,6 +57,16 @@ def drop_process_group() -> None:
     leave it to the interpreter's exit, where its threads may still be joinable when C++ tears it down."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def exit_skipping_teardown(status: int) -> None:
+    """End a process that recovered in place now, with ``status``, its output flushed: the groups of the worlds
+    it left were abandoned with their peers dead, and tearing them down at the interpreter's exit can find a
+    transport thread still joinable and abort the process (SIGABRT) after the job ended well."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
 
 
 def is_rank0() -> bool:

@@ -14,10 +14,13 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def _run(tool: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    """``tool`` with a corpus cache of its own: the test's data is the 1 MiB default corpus, which another test
+    may have cached, and the export would find it there."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT", "MEGATIER_NODE_NAME", "GROUP_RANK")}
     return subprocess.run([str(REPO / ".venv" / "bin" / tool), *args], capture_output=True, text=True, cwd=cwd,
-                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=170)
+                          env={**env, "OMP_NUM_THREADS": "1", "MEGATIER_CACHE": str(cwd / "no-cache")},
+                          timeout=170)
 
 
 def _tokenizer_line(stdout: str) -> str:

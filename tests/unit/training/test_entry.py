@@ -215,3 +215,26 @@ def test_a_run_whose_tier3_stayed_behind_exits_3_and_says_what_is_durable(tmp_pa
     assert "Traceback" not in err
     line = f"checkpoints: Tier-3 is {summary['checkpoint_units_behind']} units behind; the last durable version is"
     assert line in err, err[-2000:]
+
+
+@pytest.mark.parametrize("epoch", [0, 2])
+def test_a_process_that_recovered_in_place_ends_without_the_teardown(monkeypatch, epoch):
+    """The worlds a process left behind in a recovery keep groups whose transport threads the interpreter's
+    teardown may find joinable (SIGABRT after a job that ended well): such a process ends at once with its
+    status; one still in its launch's own world returns it as usual."""
+    from megatier import train
+    from megatier.training import outcome
+
+    class Ended(Exception):
+        pass
+
+    def skip(status):
+        raise Ended(status)
+
+    monkeypatch.setattr(train, "run", lambda overrides: (3, type("T", (), {"membership_epoch": epoch})()))
+    monkeypatch.setattr(outcome, "exit_skipping_teardown", skip)
+    if epoch:
+        with pytest.raises(Ended, match="3"):
+            train.main(["model=tiny"])
+    else:
+        assert train.main(["model=tiny"]) == 3
