@@ -28,6 +28,17 @@ def test_native_in_use_when_required():
         assert set(_C.__dict__) >= {"quantize_int8", "sparsify_topk", "adamw_step", "adamw_replay", "build_info"}
 
 
+@pytest.mark.skipif(not ops.native_available(), reason="needs megatier._C")
+def test_an_error_inside_the_extension_raises_and_the_process_lives():
+    """A check failing in C++ reaches Python as a RuntimeError. Run apart: where the build's C++ runtime cannot
+    unwind into torch's (seen on a GPU machine's own compiler), the throw kills the process instead."""
+    proc = _run("import torch\nfrom megatier import _C\n"
+                "try:\n    _C.quantize_int8(torch.ones(4), 0, None, None)\n"
+                "except RuntimeError as e:\n    print('raised:', e)\n")
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-2000:]}"
+    assert "raised:" in proc.stdout and "block_size must be >= 1" in proc.stdout
+
+
 FALLBACK = """
 import warnings, torch
 from megatier import ops
