@@ -59,11 +59,15 @@ EXTRAS = {
         # the reference the LR schedules are tested against (OptimizerParamScheduler); its own dependencies are
         # torch, numpy and packaging, so the CPU torch installed first stays. Never a runtime dependency.
         "megatron-core>=0.16,<0.17",
+        # logging.tensorboard=true (imported only then); the tests read its event files back
+        "tensorboard>=2.14",
     ],
     # Transformer Engine's PyTorch layers (model.impl=te, train.precision=fp8); build it against the CUDA torch
     # already installed (--no-build-isolation). NVIDIA apex is not on PyPI (the package named apex there is
     # unrelated): docs/configuration.md, "GPU fast paths", builds it from NVIDIA's source.
     "gpu": ["transformer-engine[pytorch]"],
+    # logging.tensorboard=true: TensorBoard beside W&B (torch.utils.tensorboard writes, this package encodes)
+    "tensorboard": ["tensorboard>=2.14"],
 }
 
 CSRC = os.path.join("megatier", "csrc")

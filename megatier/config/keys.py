@@ -30,6 +30,8 @@ ALIASES = {
     "warmup_steps": "warmup_iters", "lr_warmup_iters": "warmup_iters", "lr_decay_iters": "decay_iters",
     "adam_beta1": "beta1", "adam_beta2": "beta2", "adam_eps": "eps",
     "save_interval": "base_interval", "data_path": "prefix",
+    "skip_train": "eval_only", "log_freq": "log_interval", "enable_tensorboard": "tensorboard",
+    "save_tb_folder": "tensorboard_dir",
 }
 
 

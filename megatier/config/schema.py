@@ -179,6 +179,12 @@ class TrainConfig:
     # exit_duration_in_mins of the launch's start (leave the final drain room below the scheduler's limit).
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
+    # Megatron's --log-interval: the progress bar and the W&B/TensorBoard scalars every this many steps (and at the
+    # last step); metrics.jsonl keeps every step, which goodput, megatier-plot and the tests read.
+    log_interval: int = 1
+    # Megatron's --eval-only / --skip-train: read the job's checkpoint (as megatier-convert export does, writing
+    # nothing), evaluate it once (train.eval_iters batches) at its step, log val_loss and exit 0.
+    eval_only: bool = False
 
 
 @dataclass
@@ -321,6 +327,10 @@ class LoggingConfig:
     run_dir: str = "runs/${logging.name}"
     progress: bool = True
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    # TensorBoard beside W&B (Megatron's --tensorboard-dir): the same scalars, written by global rank 0 into
+    # tensorboard_dir with torch.utils.tensorboard; needs the tensorboard package (pip install 'megatier[tensorboard]').
+    tensorboard: bool = False
+    tensorboard_dir: str = "${logging.run_dir}/tensorboard"
 
 
 @dataclass

@@ -109,6 +109,7 @@ def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
              f"train.exit_interval={t.exit_interval} must be positive (or unset: no stop by step count)")
     _require(t.exit_duration_in_mins is None or t.exit_duration_in_mins > 0,
              f"train.exit_duration_in_mins={t.exit_duration_in_mins} must be positive (or unset: no time limit)")
+    _require(t.log_interval > 0, f"train.log_interval={t.log_interval} must be positive (1: log every step)")
 
 
 def _validate_rampup(t: TrainConfig, per_step: int) -> None:
@@ -257,4 +258,18 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     w = cfg.logging.wandb
     _require(w.mode in ("offline", "online", "disabled"), f"logging.wandb.mode={w.mode!r} must be offline, online or "
                                                           "disabled")
+    _validate_sinks_and_eval(cfg)
     check_fast_path_config(cfg, p.tp)
+
+
+def _validate_sinks_and_eval(cfg: Config) -> None:
+    """logging.tensorboard needs its package (imported only when enabled); train.eval_only needs checkpoints."""
+    if cfg.logging.tensorboard:
+        import importlib.util
+
+        _require(importlib.util.find_spec("tensorboard") is not None,
+                 "logging.tensorboard=true needs the tensorboard package, which is not installed; install it "
+                 "(pip install 'megatier[tensorboard]', or pip install tensorboard) or set logging.tensorboard=false")
+    _require(not cfg.train.eval_only or cfg.checkpoint.enabled,
+             "train.eval_only=true evaluates the job's checkpoint, but checkpointing is off (checkpoint=disabled); "
+             "launch it with the checkpoint settings the job trained with (e.g. checkpoint=tiered)")

@@ -1,8 +1,13 @@
-"""Metrics sinks: a JSONL file always, Weights & Biases when enabled, a progress bar.
+"""Metrics sinks: a JSONL file always, Weights & Biases and TensorBoard when enabled, a progress bar.
 
 Only the writer rank (global rank 0) constructs a ``MetricsLogger``; other
 ranks use ``NullLogger``. wandb defaults to offline mode, so nothing needs an
 account or a network; ``wandb sync <dir>`` uploads an offline run later.
+
+``train.log_interval`` (Megatron's --log-interval) thins what people watch: W&B, TensorBoard and the progress
+bar get a step's record at multiples of it, at the last step, and whenever it carries val_loss or a stop;
+records of events (recovery, rerun, summary) always. metrics.jsonl keeps every step: the goodput ledger's
+fields, megatier-plot, megatier-inspect and the tests read it step by step.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from megatier.config import LoggingConfig
+from megatier.observe.tensorboard import TensorBoardSink
 
 
 def _rotate(path: str) -> None:
@@ -45,7 +51,8 @@ class MetricsLogger:
         self.run_dir = run_dir
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self._cfg, self._run_config, self._total_steps, self._resume = cfg, run_config, total_steps, resume
-        self._file = self._wandb = self._bar = None
+        self._interval = int((run_config.get("train") or {}).get("log_interval") or 1)
+        self._file = self._wandb = self._bar = self._tensorboard = None
 
     def _open(self) -> None:
         if self._file is not None:
@@ -57,6 +64,7 @@ class MetricsLogger:
             _rotate(self.path)
         self._file = open(self.path, "a", buffering=1)
         self._wandb = self._init_wandb(self._cfg, self.run_dir, self._run_config)
+        self._tensorboard = TensorBoardSink(self._cfg.tensorboard_dir) if self._cfg.tensorboard else None
         self._bar = self._init_progress(self._cfg.progress, self._total_steps)
 
     @staticmethod
@@ -81,17 +89,34 @@ class MetricsLogger:
     def wandb_dir(self) -> Optional[str]:
         return self._wandb.dir if self._wandb is not None else None
 
+    @property
+    def tensorboard_dir(self) -> Optional[str]:
+        return self._tensorboard.log_dir if self._tensorboard is not None else None
+
+    def _due(self, record: dict) -> bool:
+        """Whether the watched sinks get ``record`` (train.log_interval; module docstring)."""
+        step = record.get("step")
+        if step is None or "event" in record or "val_loss" in record or "stop_requested" in record:
+            return True
+        return step % self._interval == 0 or step == self._total_steps
+
     def log(self, record: dict) -> None:
         self._open()
         record = {k: _jsonable(v) for k, v in record.items()}
         self._file.write(json.dumps(record) + "\n")
+        if not self._due(record):
+            return
+        numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self._wandb is not None:
-            numeric = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
             self._wandb.log(numeric, step=record.get("step"))
+        # The summary repeats the last step's fields at its step: W&B keeps it as the run's summary, TensorBoard
+        # would plot a second point there.
+        if self._tensorboard is not None and record.get("step") is not None and record.get("event") != "summary":
+            self._tensorboard.log(numeric, record["step"])
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         self._open()
-        if self._bar is not None:
+        if self._bar is not None and (step % self._interval == 0 or step == self._total_steps):
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._bar.update(step - self._bar.n)  # redraws at most once per mininterval
 
@@ -107,6 +132,8 @@ class MetricsLogger:
             self._bar.close()
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if self._file is not None:
             self._file.close()
 
@@ -117,6 +144,7 @@ class NullLogger:
     run_dir = None
     path = None
     wandb_dir = None
+    tensorboard_dir = None
 
     def log(self, record: dict) -> None:
         pass
