@@ -53,12 +53,9 @@ from megatier.parallel.checkfree_plus import sync_replica_grads
 from megatier.parallel.p2p import PipelineComm
 from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
-from megatier.parallel.state import (
-    ParallelState,
-    build_parallel_state,
-    init_process_group,
-)
+from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 from megatier.seeding import derive_seed
+from megatier.training.evaluate import evaluate_checkpoint
 from megatier.training.inprocess import Membership
 from megatier.training.interrupt import StopRequest
 from megatier.training.nonfinite import NonFiniteGuard
@@ -220,7 +217,7 @@ class Trainer(InPlaceRecovery):
                            state_fingerprint(self.cfg, self.data_checksum), followed_keys(self.cfg))
         if factory is not None:
             return factory(state)
-        if not self.cfg.checkpoint.enabled:
+        if not self.cfg.checkpoint.enabled or self.cfg.train.eval_only:  # eval-only reads, writes nothing
             return None
         return build_checkpointer(self.cfg.checkpoint, state, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault,
                                   reliability=self.cfg.reliability)
@@ -232,7 +229,7 @@ class Trainer(InPlaceRecovery):
         return MetricsLogger(self.cfg.logging, self.cfg.logging.run_dir, resolved, total_steps=self.cfg.train.iters)
 
     def _build_ledger(self):
-        if self.ps.rank != 0:
+        if self.ps.rank != 0 or self.cfg.train.eval_only:
             return NullLedger()
         fingerprint = fingerprint_hash(state_fingerprint(self.cfg, self.data_checksum))
         return GoodputLedger.open(self.cfg.logging.run_dir, self.cfg.checkpoint.job_id, fingerprint,
@@ -394,6 +391,8 @@ class Trainer(InPlaceRecovery):
     def train(self) -> None:
         """Restore (at the launch), then train to train.iters; recovers a lost peer in place (InPlaceRecovery)."""
         t = self.cfg.train
+        if t.eval_only:  # evaluate the job's checkpoint instead (megatier.training.evaluate)
+            return evaluate_checkpoint(self)
         if self.step == 0:
             self._carry_on(self._attempt(self.restore)[1])
             self.already_finished = self.step >= t.iters > 0 and not self.membership_epoch  # a spare joins a job
