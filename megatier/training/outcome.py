@@ -176,6 +176,8 @@ def finished(trainer, summary: dict) -> int:
         say(f"job {cfg.checkpoint.job_id!r} had already finished: its checkpoints are at step {trainer.step} and "
             f"train.iters={cfg.train.iters}; nothing to train (raise train.iters to train longer). "
             f"state_digest {summary['state_digest']}")
+    elif cfg.train.eval_only:  # its val_loss line is printed; nothing was trained
+        say(f"eval-only: state_digest {summary['state_digest']} at step {summary['step']}")
     elif trainer.interrupted_at is None:
         say(f"done: step {summary['step']} loss {summary.get('loss', float('nan')):.4f} "
             f"state_digest {summary['state_digest']}")

@@ -67,6 +67,8 @@ def test_eval_only_evaluates_the_checkpoint_as_the_run_did_and_writes_no_checkpo
     summary = records[-1]
     assert summary["state_digest"] == run[-1]["state_digest"]  # the restored state is the trained one
     assert f"eval-only: job 'ev' at step 4: val_loss {logged:.4f} over train.eval_iters=2 batches" in proc.stdout
+    assert f"eval-only: state_digest {summary['state_digest']} at step 4" in proc.stdout
+    assert "done:" not in proc.stdout  # nothing was trained
 
 
 def test_eval_only_without_a_checkpoint_is_one_line_and_exit_2(tmp_path, corpus_prefix):
