@@ -3,9 +3,7 @@
     python pretrain_gpt.py model=tiny train.iters=20
     torchrun --nproc-per-node 4 pretrain_gpt.py model=small parallel.tp=2
 """
-import sys
-
-from megatier.train import main
+from megatier.train import cli
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

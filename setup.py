@@ -169,7 +169,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
             "megatier-preprocess=megatier.cli.preprocess:main",
             "megatier-run=megatier.cli.run:main",
             "megatier-topology=megatier.cli.topology:main",
-            "megatier-train=megatier.train:main",
+            "megatier-train=megatier.train:cli",
         ]},
         ext_modules=EXT_MODULES,
         cmdclass=CMDCLASS,

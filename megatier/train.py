@@ -27,14 +27,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if {"--cfg", "-c"} & set(overrides):
         return print_config(overrides)
-    status, trainer = run(overrides)
-    if trainer is not None and trainer.membership_epoch:  # the failed worlds' groups are not torn down safely
-        outcome.exit_skipping_teardown(status)
-    return status
+    return run(overrides)
 
 
-def run(overrides: list[str]) -> tuple[int, Optional[Trainer]]:
-    """Train the job of ``overrides`` on this process: its exit status and the trainer, if one was built."""
+def cli() -> None:
+    """The command (``megatier-train``, ``pretrain_gpt.py``, ``python -m megatier.train``): :func:`main`, then
+    the process ends with its status without the interpreter's teardown. Everything the job keeps is closed by
+    then; what is left are torch's C++ objects (process groups, stores, the groups of a world left in a
+    recovery), whose destruction at exit can find a transport thread still joinable and abort a job that ended
+    well (SIGABRT, exit 134)."""
+    outcome.exit_skipping_teardown(main())
+
+
+def run(overrides: list[str]) -> int:
+    """Train the job of ``overrides`` on this process; its exit status."""
     console.set_up()
     stop = StopRequest(announce=is_rank0() and not inprocess.is_spare()).install()  # a waiting spare has no rank
     trainer = cfg = None
@@ -44,26 +50,26 @@ def run(overrides: list[str]) -> tuple[int, Optional[Trainer]]:
         stop.set_limits(cfg.train.exit_interval, cfg.train.exit_duration_in_mins)
         needed, membership = inprocess.wait_if_spare(cfg)  # a hot spare waits
         if not needed:
-            return 0, None
+            return 0
         trainer = Trainer(cfg, stop=stop, membership=membership)
         trainer.train()
         summary = trainer.close()
     except inprocess.JobEnded:  # a survivor of a dropped replica, not needed again
-        return 0, trainer
+        return 0
     except KeyboardInterrupt:  # a second Ctrl-C or SIGTERM: no drain
-        return outcome.interrupted_twice(trainer, stop.signal), trainer
+        return outcome.interrupted_twice(trainer, stop.signal)
     except outcome.DIVERGED as e:
-        return outcome.diverged(trainer, e), trainer
+        return outcome.diverged(trainer, e)
     except Exception as e:
         refused = outcome.refusal(e)
         if refused is None:
             raise
-        return outcome.refuse(*refused), trainer
+        return outcome.refuse(*refused)
     finally:
         inprocess.release_spares(trainer, cfg.recovery if cfg is not None else None)
         outcome.drop_process_group()
         stop.uninstall()
-    return outcome.finished(trainer, summary), trainer
+    return outcome.finished(trainer, summary)
 
 
 def print_config(argv: list[str]) -> int:
@@ -85,4 +91,4 @@ def print_config(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli()

@@ -60,9 +60,8 @@ def drop_process_group() -> None:
 
 
 def exit_skipping_teardown(status: int) -> None:
-    """End a process that recovered in place now, with ``status``, its output flushed: the groups of the worlds
-    it left were abandoned with their peers dead, and tearing them down at the interpreter's exit can find a
-    transport thread still joinable and abort the process (SIGABRT) after the job ended well."""
+    """End the process now with ``status``, its output and logs flushed, skipping the interpreter's teardown of
+    torch's C++ objects (see :func:`megatier.train.cli`)."""
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
