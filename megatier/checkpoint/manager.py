@@ -43,7 +43,6 @@ from typing import Optional, Union
 
 from torch import nn
 
-from megatier import ops
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.payload import DiffStep, EncodedPayload, draft_diff_batch
 from megatier.checkpoint.format.units import BASE, DIFF, STEP, PayloadId
@@ -181,11 +180,11 @@ class CheckpointManager:
         clock.lap("replicas")
         closes = (step - self.anchor) % self.cfg.diff.batch == 0
         if self.cfg.diff.threads == 1:
-            record, nbytes, handoff = self._parked(
-                lambda: self._save_diff(step, self._compress(step, clock), closes, clock), clock)
+            record, nbytes, handoff = clock.parked(
+                lambda: self._save_diff(step, self._compress(step, clock), closes, clock))
         else:
             compressed = self._compress(step, clock)
-            record, nbytes, handoff = self._parked(lambda: self._save_diff(step, compressed, closes, clock), clock)
+            record, nbytes, handoff = clock.parked(lambda: self._save_diff(step, compressed, closes, clock))
         base = self.capture.after_step(step)
         clock.lap("base_copy")
         self._hand_on(step, record, nbytes, closes, handoff, base, clock)
@@ -208,21 +207,6 @@ class CheckpointManager:
                         "the all-gather (silent data corruption?); %s; the base of this interval is kept from Tier-3",
                         step, odd, "gathered again, they agree" if healed else "gathered again, they STILL differ")
         return odd
-
-    @staticmethod
-    def _parked(fn, clock: PhaseClock):
-        """``fn()`` with the rest of the loop's team asleep; the wait for the team to wake and leave the region
-        afterwards (a core must be free for it) is the ``unpark`` lap."""
-        ended = []
-
-        def run():
-            out = fn()
-            ended.append(time.perf_counter())
-            return out
-
-        out = ops.run_with_team_parked(run)
-        clock.add_since("unpark", ended[0])
-        return out
 
     def _compress(self, step: int, clock: PhaseClock) -> tuple[DiffStep, int]:
         # Compressed here, in the loop (on a GPU, kernels on the training stream, as in TierCheck), by

@@ -7,6 +7,7 @@ import torch
 from megatier.checkpoint.format.finite import NonFiniteState
 from megatier.checkpoint.format.units import PayloadId
 from megatier.checkpoint.manager import CheckpointManager
+from megatier.checkpoint.save import clock as clock_module
 from megatier.checkpoint.tiers.base import JOB, TIER1, TIER2, TIER3
 from megatier.checkpoint.watermark import recovery_points
 from tests.unit.checkpoint.memory import MemoryTier, context, snapshot, step, tiny_shard
@@ -105,10 +106,8 @@ def test_the_loops_serial_work_runs_with_its_team_parked_until_the_helpers_are_w
     # Compression and the step unit's write run inside ops.run_with_team_parked (an idle OpenMP thread would
     # spin through them); the ticks and submits wake the helper threads, which then took the parked thread's
     # core, so they come after the region (leaving it had waited up to a scheduler slice for a core).
-    from megatier.checkpoint import manager as mg
-
     depth, calls = [0], []
-    real = mg.ops.run_with_team_parked
+    real = clock_module.ops.run_with_team_parked
 
     def tracking(fn):
         depth[0] += 1
@@ -123,7 +122,7 @@ def test_the_loops_serial_work_runs_with_its_team_parked_until_the_helpers_are_w
             return fn(*args, **kwargs)
         return wrapper
 
-    monkeypatch.setattr(mg.ops, "run_with_team_parked", tracking)
+    monkeypatch.setattr(clock_module.ops, "run_with_team_parked", tracking)
     tiers = [MemoryTier(TIER1, takes_steps=True), MemoryTier(TIER3, scope=JOB)]
     opt, shard = tiny_shard()
     manager = CheckpointManager(context(tiers), shard, inline=True)
