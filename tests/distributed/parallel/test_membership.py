@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(180)
 WORLD = [Member(f"node{n}/{i}", f"node{n}") for n in range(2) for i in range(2)]
 SPARE = Member("node0/spare0", "node0")
 VICTIM = 1
+_SPARE_WAITING = "test/spare_waiting"  # a spare started with the job is idle in the next round before any failure
 
 
 def _client(port: int) -> dist.TCPStore:
@@ -39,6 +40,7 @@ def _rank_process(rank: int, port: int, out: str) -> None:
     x = torch.ones(4)
     dist.all_reduce(x)
     if rank == VICTIM:
+        store.wait([_SPARE_WAITING], timedelta(seconds=60))  # a launcher's spares wait in the round ahead
         os._exit(1)  # a crashed process
     failed = time.monotonic()
     try:
@@ -59,6 +61,7 @@ def _spare_process(port: int, out: str) -> None:
     torch.set_num_threads(1)
     rnd = MembershipRound(_client(port), 1)
     rnd.join(SPARE, survivor=False)
+    rnd.store.set(_SPARE_WAITING, "1")
     outcome = rnd.outcome(timeout_s=60)
     _finish(rnd, outcome.assignment.rank_of(SPARE.id), outcome, out, SPARE, None, None)
 
