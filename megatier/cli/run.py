@@ -9,14 +9,18 @@ torchrun turns any worker failure into its own status 1 and a traceback of its l
 traceback too, after the workers already said why in one line (a refusal, a divergence stop, "interrupted at
 step N"). Here the launch exits with the status of the first worker that failed (docs/operations.md lists
 them) and adds nothing when that status is one the training command explains itself; a crash still gets
-torchrun's summary of which rank failed, without the launcher's own traceback. Ctrl-C ends with 130 (SIGTERM, a
-scheduler's stop, with 143) once the workers have finished their step and drained, as ``megatier-train`` does.
+torchrun's summary of which rank failed, without the launcher's own traceback. A Ctrl-C or a scheduler's SIGTERM
+ends with the workers' statuses once they have finished their step and drained (130 after Ctrl-C, 0 after
+SIGTERM), as ``megatier-train`` does; torchrun's agent forgets them, so each worker leaves its own in a folder
+of this launch's (:func:`megatier.training.outcome.record_status`).
 """
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
+import tempfile
 from typing import Optional
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -51,6 +55,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     quiet = _QuietForExplained()
     logging.getLogger(_AGENT_LOGGER).addFilter(quiet)
+    statuses = tempfile.TemporaryDirectory(prefix="megatier-run-")
+    os.environ[outcome.STATUS_DIR] = statuses.name  # the workers inherit it
     try:
         run(args)
     except ChildFailedError as e:
@@ -60,12 +66,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(e.format_msg(), file=sys.stderr)
         return status
     except SignalException as e:
-        # The agent has sent the signal on to its workers and waited for them: after SIGINT they finished their
-        # step, drained and printed where to resume.
-        return 128 + int(e.sigval)
+        # The agent has sent the signal on to its workers and waited for them: they finished their step, drained
+        # and printed where to resume. A worker that did not end on its own makes it the signal's death.
+        return _stopped_status(statuses.name, args.nproc_per_node, int(e.sigval))
     finally:
         logging.getLogger(_AGENT_LOGGER).removeFilter(quiet)
+        del os.environ[outcome.STATUS_DIR]
+        statuses.cleanup()
     return 0
+
+
+def _stopped_status(directory: str, nproc_per_node: str, sig: int) -> int:
+    """The launch's status after a signal stopped it: the worst its workers recorded, when each of them did."""
+    found = outcome.recorded_statuses(directory, int(nproc_per_node)) if nproc_per_node.isdigit() else None
+    return max(found) if found else 128 + sig
 
 
 if __name__ == "__main__":

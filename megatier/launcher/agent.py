@@ -37,7 +37,8 @@ ENV_MEMBER = "MEGATIER_MEMBER_ID"  # a process's lifelong id
 ENV_SPARE = "MEGATIER_SPARE"  # "1": start idle and wait for a round to give the process a rank
 ENV_RUN = "MEGATIER_RUN_ID"  # the launch's id: its rounds' keys, apart from other launches on the same store
 FAULT_ENV = ("MEGATIER_CRASH_AT",)
-# A clean stop (Ctrl-C, SIGTERM: every rank stops after the same step and exits so) is no death to recover.
+# A stop is no death to recover: Ctrl-C (every rank stops after the same step, 130) or a second SIGTERM (143).
+# (A drained SIGTERM ends with 0.)
 STOPPED = (130, 143)  # a drill's armed crash belongs to the rank it was armed on, not to a spare
 
 

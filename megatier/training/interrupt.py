@@ -1,4 +1,5 @@
-"""Ctrl-C or SIGTERM as a request to stop: finish the step in flight, make the checkpoints durable, exit 128 + signal.
+"""Ctrl-C or SIGTERM as a request to stop: finish the step in flight, make the checkpoints durable, and exit
+(130 after Ctrl-C; 0 after SIGTERM, as Megatron's --exit-signal-handler; :mod:`megatier.training.outcome`).
 
 The first SIGINT or SIGTERM only sets a flag. Every rank's flags travel with the step's loss all-reduce (no
 extra collective), so all ranks see the request at the same step, stop after it, and close as at the end of

@@ -15,9 +15,11 @@ Exit statuses (docs/operations.md):
          and Tier-3's included; reliability.loop_window, loop_limit); relaunching repeats it
     7    in-process recovery could not re-form the job (no spare for a lost rank, the membership store gone);
          relaunch: the next launch restores as after any failure
-    0    also: stopped by train.exit_interval or train.exit_duration_in_mins, every checkpoint durable
+    0    also: stopped by SIGTERM (a scheduler's limit, a launcher's stop), train.exit_interval or
+         train.exit_duration_in_mins, every checkpoint durable (3 while Tier-3 is behind), as Megatron's
+         --exit-signal-handler ends: a scheduler reads the job as ended well, and the relaunch goes on
     130  interrupted (Ctrl-C); relaunch the same command to resume
-    143  stopped by SIGTERM (a scheduler's limit, a launcher's stop): the same clean stop as Ctrl-C
+    143  a second SIGTERM stopped the launch at once, without draining (as a second Ctrl-C ends with 130)
 
 Anything else is a failure, with its traceback. A refusal is raised on every rank the same way; only global
 rank 0 prints it, so a job of any size prints one line.
@@ -45,6 +47,7 @@ from megatier.training.nonfinite import NonFiniteStep
 EXIT_TRAINED, EXIT_CONFIG, EXIT_TIER3_BEHIND, EXIT_RECOVERY_REFUSED, EXIT_DIVERGED = 0, 2, 3, 4, 5
 EXIT_RESTORE_LOOP, EXIT_REFORM_FAILED = 6, 7
 EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # 128 + SIGINT, 128 + SIGTERM
+STATUS_DIR = "MEGATIER_STATUS_DIR"  # where megatier-run's workers leave their exit statuses (record_status)
 # How long a rank other than 0 keeps a refused launch alive for rank 0 to print its line (rank 0 may have failed
 # otherwise and never will).
 REFUSAL_WAIT_S = 60.0
@@ -61,11 +64,35 @@ def drop_process_group() -> None:
 
 def exit_skipping_teardown(status: int) -> None:
     """End the process now with ``status``, its output and logs flushed, skipping the interpreter's teardown of
-    torch's C++ objects (see :func:`megatier.train.cli`)."""
+    torch's C++ objects (see :func:`megatier.train.cli`); the status is left where ``megatier-run`` reads it
+    (:func:`record_status`)."""
+    record_status(status)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(status)
+
+
+def record_status(status: int) -> None:
+    """Under ``megatier-run`` (``STATUS_DIR`` set), write this worker's exit status to ``<dir>/<LOCAL_RANK>``:
+    torchrun's agent, stopped by a signal, forgets its workers' statuses, and the launch ends with theirs."""
+    directory = os.environ.get(STATUS_DIR)
+    if directory:
+        with open(os.path.join(directory, os.environ.get("LOCAL_RANK", "0")), "w") as f:
+            f.write(str(status))
+
+
+def recorded_statuses(directory: str, workers: int) -> Optional[list[int]]:
+    """The statuses :func:`record_status` left in ``directory`` by ``workers`` workers; None unless every one
+    ended on its own (a worker killed, or still draining when torchrun gave up on it, wrote none)."""
+    found = []
+    for local_rank in range(workers):
+        try:
+            with open(os.path.join(directory, str(local_rank))) as f:
+                found.append(int(f.read()))
+        except (OSError, ValueError):
+            return None
+    return found
 
 
 def is_rank0() -> bool:
@@ -163,9 +190,9 @@ def interrupted(step: int, resume_from: Optional[str], cause: str = "SIGINT") ->
 
 
 def stop_status(cause: str) -> Optional[int]:
-    """The exit status of a loop stopped by ``cause``: 128 + the signal's number; None for a time limit, which
-    ends as a finished launch does (0, or 3 while Tier-3 is behind)."""
-    return 128 + signal.Signals[cause] if cause in signal.Signals.__members__ else None
+    """The exit status of a loop stopped by ``cause``: 130 for Ctrl-C (a person stopped it); None for SIGTERM and
+    the time limits, which end as a finished launch does (0, or 3 while Tier-3 is behind)."""
+    return EXIT_INTERRUPTED if cause == "SIGINT" else None
 
 
 def finished(trainer, summary: dict) -> int:
