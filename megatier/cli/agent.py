@@ -34,6 +34,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--spares-per-node", type=int, default=0, help="idle hot spares on this node")
     parser.add_argument("--store", default=None, help="host:port of the membership store")
     parser.add_argument("--run-id", default="job", help="the launch's id, the same on every node")
+    parser.add_argument("--respawn", action="store_true",
+                        help="start a new spare in place of each process that fails (a long job keeps its spares)")
     args = parser.parse_args(argv[:split])
     script = argv[split + 1:]
     if args.serve_store is None and (args.store is None or not script):
@@ -53,7 +55,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
     agent = NodeAgent(script, node=args.node_name or f"node{args.node_rank}", node_rank=args.node_rank,
                       nodes=args.nodes, procs=args.nproc_per_node, spares=args.spares_per_node, store=args.store,
-                      run_id=args.run_id)
+                      run_id=args.run_id, respawn=args.respawn)
 
     def forward(signum, _frame):  # Ctrl-C or SIGTERM reaches every process of the node once
         agent.stop(signum)

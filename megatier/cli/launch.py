@@ -41,6 +41,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="inprocess: megatier-agent per node; survivors keep running and spares take lost ranks")
     parser.add_argument("--spares-per-node", type=int, default=0, help="in-process: idle spares on every node")
     parser.add_argument("--spare-nodes", type=int, default=0, help="in-process: extra nodes holding only spares")
+    parser.add_argument("--respawn", action="store_true",
+                        help="in-process: each agent starts a new spare in place of every process that fails")
     args, script = parser.parse_args(argv[:split]), argv[split + 1:]
     if not script:
         parser.error("no job to run: put the job after --, e.g. -- pretrain_gpt.py model=tiny")
@@ -52,7 +54,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         cluster = LocalCluster(args.nodes, args.procs_per_node, script_args, port=args.port,
                                max_restarts=args.max_restarts, recovery=args.recovery,
-                               spares_per_node=args.spares_per_node, spare_nodes=args.spare_nodes)
+                               spares_per_node=args.spares_per_node, spare_nodes=args.spare_nodes,
+                               respawn=args.respawn)
     except ValueError as e:
         print(f"megatier-launch: {e}", file=sys.stderr)
         return 2

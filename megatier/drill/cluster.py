@@ -85,13 +85,13 @@ def agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, no
 
 
 def inprocess_agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, spares: int, node_rank: int,
-                            store: str, run_id: str) -> list[str]:
+                            store: str, run_id: str, respawn: bool = False) -> list[str]:
     """The ``megatier-agent`` command line of simulated node ``node_rank`` (a node of spares when it is past the
     ``nodes`` that run ranks)."""
     ranks = procs_per_node if node_rank < nodes else 0
     return [sys.executable, "-m", "megatier.cli.agent", "--nodes", str(nodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(ranks), "--spares-per-node", str(spares), "--store", store, "--run-id", run_id,
-            "--", *script_args]
+            *(["--respawn"] if respawn else []), "--", *script_args]
 
 
 def _children(pid: int) -> list[int]:
@@ -135,7 +135,7 @@ class LocalCluster:
     def __init__(self, nodes: int, procs_per_node: int, script_args: list[str], *, port: Optional[int] = None,
                  max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None,
                  node_file_limit: Optional[dict[int, int]] = None, recovery: str = "relaunch",
-                 spares_per_node: int = 0, spare_nodes: int = 0):
+                 spares_per_node: int = 0, spare_nodes: int = 0, respawn: bool = False):
         if nodes < 1 or procs_per_node < 1:
             raise ValueError(f"--nodes {nodes} and --procs-per-node {procs_per_node} must be >= 1")
         if not script_args:
@@ -151,8 +151,9 @@ class LocalCluster:
         self.agents: list[subprocess.Popen] = []
         self.inprocess = recovery == "inprocess"
         self.spares_per_node, self.spare_nodes = spares_per_node, spare_nodes
-        if not self.inprocess and (spares_per_node or spare_nodes):
+        if not self.inprocess and (spares_per_node or spare_nodes or respawn):
             raise ValueError("hot spares need recovery=inprocess (torchrun's agent restarts every process)")
+        self.respawn = respawn  # agents start a new spare in place of each failed process
         self.store = None  # in-process recovery's membership store, served here
         self.stopping = False  # a Ctrl-C or SIGTERM was forwarded to every agent
 
@@ -163,17 +164,23 @@ class LocalCluster:
         spares = self.spares_per_node if i < self.nodes else self.procs_per_node
         return inprocess_agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node,
                                        spares=spares, node_rank=i, store=f"127.0.0.1:{self.store.port}",
-                                       run_id=self.run_id)
+                                       run_id=self.run_id, respawn=self.respawn)
 
     def start(self) -> None:
         if self.inprocess:
             self.store = serve_store(self.port)
-        for i in range(self.nodes + self.spare_nodes):
-            cmd = self._command(i)
-            env = dict(os.environ, **self.node_env.get(i, {}), MEGATIER_NODE_NAME=f"node{i}")
-            limit = self.node_file_limit.get(i)
-            self.agents.append(subprocess.Popen(cmd, env=env, start_new_session=True,
-                                                preexec_fn=None if limit is None else _file_limit(limit)))
+        for _ in range(self.nodes + self.spare_nodes):
+            self.add_node()
+
+    def add_node(self) -> int:
+        """Start the next simulated node's agent (past the first ``nodes``, a node of spares: a machine that
+        joins a running in-process job, as a replacement for a lost one); its index."""
+        i = len(self.agents)
+        env = dict(os.environ, **self.node_env.get(i, {}), MEGATIER_NODE_NAME=f"node{i}")
+        limit = self.node_file_limit.get(i)
+        self.agents.append(subprocess.Popen(self._command(i), env=env, start_new_session=True,
+                                            preexec_fn=None if limit is None else _file_limit(limit)))
+        return i
 
     def workers(self, node: int) -> list[int]:
         """The training processes of simulated node ``node`` (children of its agent)."""

@@ -10,6 +10,10 @@ This agent (``megatier-agent``, one per node) instead
   does not wait for it, and leaves every other process running;
 * kills a process that a round left out of the re-formed job without its having exited (a hung rank: the
   round went on without it after ``recovery.round_timeout_s``), so it never comes back as a second holder;
+* with ``respawn``, starts a new hot spare (``<node>/spare<k>``, the next k) in place of each process that
+  failed, so a long job keeps its spares through any number of failures, as a cluster's agent restarts a
+  crashed worker; a process that ended with a status the job explains (a refusal, exit 7, a clean stop) or
+  after the job ended is not replaced;
 * optionally serves the membership store itself (``serve_store``): the store must outlive any one training
   process, so it runs in an agent (or a host of its own), never in a rank.
 
@@ -40,6 +44,8 @@ FAULT_ENV = ("MEGATIER_CRASH_AT",)
 # A stop is no death to recover: Ctrl-C (every rank stops after the same step, 130) or a second SIGTERM (143).
 # (A drained SIGTERM ends with 0.)
 STOPPED = (130, 143)  # a drill's armed crash belongs to the rank it was armed on, not to a spare
+# The statuses a training process ends with on its own (megatier.training.outcome): no failure to replace.
+ENDED = frozenset({0, 2, 3, 4, 5, 6, 7, *STOPPED})
 
 
 def _die_with_parent() -> None:
@@ -77,6 +83,7 @@ class Child:
     member: str
     process: subprocess.Popen
     reported: Optional[int] = None  # rounds decided when its death was reported (None: not dead)
+    replaced: bool = False  # a new spare was started in its place (respawn)
     rank: Optional[int] = None  # its rank in the current world (as far as this agent has read the rounds)
 
     @property
@@ -102,12 +109,13 @@ class NodeAgent:
     """The agent of node ``node`` (see the module docstring)."""
 
     def __init__(self, script_args: list[str], *, node: str, node_rank: int, nodes: int, procs: int, spares: int,
-                 store: str, run_id: str):
+                 store: str, run_id: str, respawn: bool = False):
         if procs < 0 or spares < 0 or procs + spares < 1:
             raise ValueError(f"--nproc-per-node {procs} and --spares-per-node {spares}: start at least one process")
         self.script_args, self.node, self.node_rank = script_args, node, node_rank
         self.nodes, self.procs, self.spares = nodes, procs, spares
-        self.address, self.run_id = store, run_id
+        self.address, self.run_id, self.respawn = store, run_id, respawn
+        self._spares_started = 0  # spares started so far: the next one's member id
         self.children: list[Child] = []
         self.store: Optional[dist.TCPStore] = None
         self.prefix = run_prefix(run_id)
@@ -137,9 +145,14 @@ class NodeAgent:
             member = f"{self.node}/{local}"
             env = self._env(member, self.node_rank * self.procs + local, local)
             self.children.append(Child(member, self._spawn(command, env), rank=self.node_rank * self.procs + local))
-        for k in range(self.spares):
-            member = f"{self.node}/spare{k}"
-            self.children.append(Child(member, self._spawn(command, self._env(member, None, 0))))
+        for _ in range(self.spares):
+            self._start_spare()
+
+    def _start_spare(self) -> None:
+        member = f"{self.node}/spare{self._spares_started}"
+        self._spares_started += 1
+        command = [sys.executable, *self.script_args]
+        self.children.append(Child(member, self._spawn(command, self._env(member, None, 0))))
 
     @staticmethod
     def _spawn(command: list[str], env: dict) -> subprocess.Popen:
@@ -162,7 +175,23 @@ class NodeAgent:
                 MembershipRound(self.store, 0, self.prefix).report_dead(child.member)
                 self._say(f"{child.describe()} {death(code)}; reported to the membership round")
         self._follow_rounds()
+        if self.respawn:
+            self._replace_failed()
         return any(c.process.poll() is None for c in self.children)
+
+    def _replace_failed(self) -> None:
+        """A new spare in place of each process that failed (died by a signal, crashed, or was left out of a
+        round as hung), unless the job has ended."""
+        for child in list(self.children):
+            code = child.process.poll()
+            if code is None or child.replaced or exit_status(code) in ENDED:
+                continue
+            if MembershipRound.finished(self.store, self.prefix):
+                return
+            child.replaced = True
+            self._start_spare()
+            self._say(f"{self.children[-1].member} (pid {self.children[-1].process.pid}) started as a spare in "
+                      f"place of {child.member}")
 
     def _follow_rounds(self) -> None:
         decided = MembershipRound.decided_epochs(self.store, self.prefix)
