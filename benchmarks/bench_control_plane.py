@@ -49,87 +49,40 @@ import argparse
 import json
 import math
 import pickle
-import time
-from dataclasses import dataclass
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
 import torch.distributed as dist
 
-from megatier.checkpoint.format.payload import Stamp
-from megatier.checkpoint.format.units import PayloadId
-from megatier.checkpoint.recover.cascade import Fetcher
-from megatier.checkpoint.recover.consensus import cascade, decide
-from megatier.checkpoint.recover.inventory import Inventory, merge, share_of
-from megatier.checkpoint.recover.plan import RankPlan, cut
-from megatier.checkpoint.recover.record import Sources
-from megatier.checkpoint.tiers.base import JOB, NODE, TIER1, TIER2, TIER3, Copy, Listing
-from megatier.parallel.assignment import Member
-from megatier.parallel.layout import Layout, coordinates_of
-from megatier.parallel.membership import MembershipRound
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-TP, PP, PER_NODE = 8, 16, 8
-JOB_ID = b"gpt-llama-70b"
-FINGERPRINT = b"3f9a0c2d11e4b7a5"
-TIERS = [SimpleNamespace(label=TIER1, scope=NODE), SimpleNamespace(label=TIER2, scope=NODE),
-         SimpleNamespace(label=TIER3, scope=JOB, where=lambda: "s3://bucket/job")]
+from benchmarks.control_plane_nodes import simulate  # noqa: E402
+from benchmarks.control_plane_world import (  # noqa: E402
+    JOB_ID,
+    PER_NODE,
+    PP,
+    TIERS,
+    TP,
+    World,
+    cpu,
+    node_listings,
+    padded,
+    stamps,
+)
+from megatier.checkpoint.recover.cascade import Fetcher  # noqa: E402
+from megatier.checkpoint.recover.consensus import cascade, decide  # noqa: E402
+from megatier.checkpoint.recover.inventory import Inventory, merge, share_of  # noqa: E402
+from megatier.checkpoint.recover.plan import RankPlan, cut  # noqa: E402
+from megatier.checkpoint.recover.record import Sources  # noqa: E402
+from megatier.checkpoint.tiers.base import TIER2, TIER3, Copy, Listing  # noqa: E402
+from megatier.parallel.assignment import Member  # noqa: E402
+from megatier.parallel.membership import MembershipRound  # noqa: E402
 
-
-@dataclass
-class World:
-    ranks: int
-    batch: int
-    lost: int = 1  # the node whose memory is gone
-
-    @property
-    def dp(self) -> int:
-        return self.ranks // (TP * PP)
-
-    @property
-    def nodes(self) -> int:
-        return self.ranks // PER_NODE
-
-    def units(self, tier3: bool = False) -> list[PayloadId]:
-        """A rank's units: bases 0 and 50, then the diff batches of steps 51..100 (Tier-3 lacks the newest)."""
-        diffs = [PayloadId.diff(first, min(first + self.batch - 1, 100)) for first in range(51, 101, self.batch)]
-        return [PayloadId.base(0), PayloadId.base(50), *(diffs[:-1] if tier3 else diffs)]
-
-    def node_of(self, rank: int) -> str:
-        node = rank // PER_NODE
-        return "spare0" if node == self.lost else f"node{node}"
-
-
-def stamps(world: World, rank: int, pids: list[PayloadId]) -> list[Stamp]:
-    """Stamps as a tier reads them from their files: each its own strings (so pickling shares nothing)."""
-    tp_rank, dp_rank, pp_rank = coordinates_of(rank, tp=TP, dp=world.dp)
-    layout = Layout(TP, PP, world.dp, tp_rank, pp_rank, dp_rank)
-    return [Stamp(p, 1 << 20, f"{(rank * 7919 + p.last) & 0xFFFFFFFFFFFFFFFF:016x}", JOB_ID.decode(), layout,
-                  FINGERPRINT.decode()) for p in pids]
-
-
-def node_listings(world: World, node: int) -> dict[str, Listing]:
-    """What node ``node``'s memory lists: its ranks' units (Tier-1) and its ring predecessor's (Tier-2)."""
-    name = f"node{node}"
-    if node == world.lost:
-        return {TIER1: Listing(), TIER2: Listing()}
-    own = range(node * PER_NODE, (node + 1) * PER_NODE)
-    pred = (node - 1) % world.nodes
-    replicas = range(pred * PER_NODE, (pred + 1) * PER_NODE)  # the lost node's own replicas survive here
-    t1 = [Copy(s, TIER1, name) for r in own for s in stamps(world, r, world.units())]
-    t2 = [Copy(s, TIER2, name) for r in replicas for s in stamps(world, r, world.units())]
-    return {TIER1: Listing(copies=t1, traces=True, progress={r: 100 for r in own}),
-            TIER2: Listing(copies=t2, traces=bool(t2))}
-
-
-def cpu(fn: Callable):
-    start = time.process_time()
-    out = fn()
-    return out, time.process_time() - start
-
-
-def padded(sizes: list[int]) -> int:
-    """Bytes an object collective of items of ``sizes`` moves to one receiver: torch pads each to the largest."""
-    return len(sizes) * max(sizes)
+CHECK_UP_TO = 4096  # worlds where every plan cut from summaries is checked against rank 0's (all in memory)
 
 
 def exchange(world: World, rank_nodes: list[str]) -> tuple[Inventory, dict]:
@@ -202,21 +155,48 @@ def run(world: World) -> dict:
     gathers = mine.rounds[0] + attempts  # a round's local status, and one remote attempt
     plan_bytes = padded([len(b) for b in blobs])
     row["cpu_s"].update(consensus=decide_s, plans=cut_s + pickle_s, other=unpickle_s + own_s)
-    return {"ranks": world.ranks, "nodes": world.nodes, "dp": world.dp, "copies": len(inv.copies),
+    out = {"ranks": world.ranks, "nodes": world.nodes, "dp": world.dp, "copies": len(inv.copies),
             "version": consensus.version, "end": consensus.end, "rounds": mine.rounds[0], "transfers": len(remote),
             "rank0_holds": len(pickle.dumps(inv)) + sum(len(b) for b in blobs), "other_holds": len(blobs[other]),
             "every_holds": len(pickle.dumps(rank_nodes)) + len(pickle.dumps(sources)),
             "other_receives": row["names_bytes"] + plan_bytes // world.ranks, "rank0_sends": plan_bytes,
             "status_bytes": gathers * world.ranks * status, **row,
             **(membership_round(world) if world.lost >= 0 else {})}
+    reference = blobs if world.ranks <= CHECK_UP_TO else None  # every plan from summaries must equal rank 0's
+    inv = plans = consensus = blobs = mine = fetcher = None  # free the whole inventory before the new path
+    return {**out, **simulate(world, JOB_ID.decode(), rank_nodes, reference)}
 
 
-def growth(rows: list[dict], key: Callable[[dict], float]) -> str:
-    """The exponent x of key ~ ranks^x between the smallest and largest world."""
+def growth(rows: list[dict], key: Callable[[dict], float], by: str = "ranks") -> str:
+    """The exponent x of key ~ by^x (``by``: ranks or nodes) between the smallest and largest world."""
     a, b = rows[0], rows[-1]
     if len(rows) < 2 or key(a) <= 0 or key(b) <= 0:
         return "-"
-    return f"{math.log(key(b) / key(a)) / math.log(b['ranks'] / a['ranks']):.2f}"
+    return f"{math.log(key(b) / key(a)) / math.log(b[by] / a[by]):.2f}"
+
+
+def table_nodes(rows: list[dict]) -> str:
+    """The decision from summaries (benchmarks/control_plane_nodes.py), with its growth by ranks and by nodes."""
+    def mib(n):
+        return f"{n / 2**20:,.2f}"
+
+    cols = [("decider receives MiB", lambda r: r["new_decider_receives"], mib),
+            ("decider peak MiB", lambda r: r["new_decider_peak"], mib),
+            ("decider CPU s", lambda r: r["new_decider_cpu_s"], lambda v: f"{v:.3f}"),
+            ("decider wall s", lambda r: r["new_decider_wall_s"], lambda v: f"{v:.3f}"),
+            ("holdings read", lambda r: r["new_holdings"], lambda v: f"{v:,}"),
+            ("point to each leader KiB", lambda r: r["new_point_bytes"], lambda v: f"{v / 1024:,.1f}"),
+            ("leader receives KiB", lambda r: r["new_leader_receives"], lambda v: f"{v / 1024:,.1f}"),
+            ("leader peak MiB", lambda r: r["new_leader_peak"], mib),
+            ("leader CPU ms", lambda r: 1000 * r["new_leader_cpu_s"], lambda v: f"{v:.1f}"),
+            ("critical path CPU s", lambda r: r["new_modeled_s"], lambda v: f"{v:.3f}")]
+    lines = ["| ranks | nodes | " + " | ".join(name for name, _, _ in cols) + " |",
+             "|---:|---:|" + "---:|" * len(cols)]
+    lines += [f"| {r['ranks']:,} | {r['nodes']:,} | " + " | ".join(fmt(key(r)) for _, key, fmt in cols) + " |"
+              for r in rows]
+    for by in ("ranks", "nodes"):
+        lines.append(f"| growth x (~{by}^x) | | " + " | ".join(growth(rows, key, by) for _, key, _ in cols) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -266,8 +246,15 @@ def main(argv=None) -> list[dict]:
         row = run(World(ranks, args.batch))
         print(f"{ranks:,} ranks: V={row['version']} E={row['end']}, {row['copies']:,} copies, "
               f"{row['transfers']:,} remote fetches; CPU s {json.dumps(row['cpu_s'])}", flush=True)
+        checked = "not checked" if row["new_mismatched"] is None else \
+            f"{ranks - len(row['new_mismatched']):,} of {ranks:,} plans equal to rank 0's"
+        print(f"  from summaries: V={row['new_version']} E={row['new_end']}, {row['new_holdings']:,} holdings, "
+              f"{row['new_spans']:,} spans; {checked}", flush=True)
         rows.append(row)
     print(table(rows))
+    print()
+    print("Decision from per-node summaries:")
+    print(table_nodes(rows))
     if args.out_json:
         with open(args.out_json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -38,3 +38,23 @@ def test_a_world_the_layout_cannot_hold_is_refused_in_one_line(capsys):
 
 def test_without_a_lost_node_nobody_fetches_from_elsewhere():
     assert run(World(384, 5, lost=-1))["transfers"] == 0
+
+
+def test_the_decision_from_node_summaries_grows_as_the_nodes_and_cuts_rank_0s_plans():
+    """1k and 2k ranks: the decider reads a few holdings per node, receives and holds O(nodes) bytes, sends every
+    leader an O(nodes) point; a leader receives its ranks' copies only; every plan equals the one rank 0 cut
+    from the whole inventory. Counted in items and bytes, not seconds."""
+    small, big = run(World(1024, 5)), run(World(2048, 5))
+    assert small["new_mismatched"] == [] and big["new_mismatched"] == []
+    assert (big["new_version"], big["new_end"]) == (big["version"], big["end"]) == (50, 100)
+    nodes = big["nodes"] / small["nodes"]
+    assert nodes == 2
+    for key in ("new_holdings", "new_spans", "new_decider_receives", "new_point_bytes", "new_decider_peak"):
+        assert big[key] / small[key] <= 1.05 * nodes, key
+    assert big["new_holdings"] <= 3 * big["nodes"]  # Tier-1, Tier-2 and Tier-3's share: one holding each
+    assert big["new_summary_bytes"] == small["new_summary_bytes"]
+    assert big["new_leader_receives"] == small["new_leader_receives"]  # the copies of its own 8 ranks' units
+    assert big["new_leader_peak"] < 1.1 * small["new_leader_peak"]
+    # Against rank 0's whole inventory, O(world) stamps: the decider receives and holds a small fraction of it.
+    assert big["new_decider_receives"] * 10 < big["rank0_receives"]
+    assert big["new_decider_peak"] * 20 < big["rank0_holds"]
