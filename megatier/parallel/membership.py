@@ -17,7 +17,9 @@ reported dead (:meth:`~MembershipRound.report_dead`: the launcher saw its proces
 Everyone reads that one answer, so no two processes act on different worlds; only the decider polls the
 store (two counters), and only it reads the member list, once. A survivor that joins after the decision is
 in neither list and must leave (:meth:`Outcome.role`), as must everyone when the round could not complete
-(the job then falls back to a relaunch).
+(the job then falls back to a relaunch). A decider that dies before it publishes (a second failure in the
+round) is replaced: the survivors waiting for its answer watch for its death, and the first to claim its
+place decides instead (:meth:`MembershipRound.await_outcome`).
 """
 from __future__ import annotations
 
@@ -114,7 +116,10 @@ class MembershipRound:
         wait for its answer)."""
         slot = self.store.add(f"{self.key}/joined", 1) - 1
         self.store.set(f"{self.key}/member/{slot}", json.dumps({"id": member.id, "node": member.node, "step": step}))
-        return survivor and self.store.add(f"{self.key}/survivors", 1) == 1
+        deciding = survivor and self.store.add(f"{self.key}/survivors", 1) == 1
+        if deciding:
+            self.store.set(f"{self.key}/decider", member.id)
+        return deciding
 
     def publish_world(self, ids: list[str]) -> None:
         """The launch's world (member id by rank), for the spares: epoch 0 has no decision that lists it."""
@@ -175,13 +180,12 @@ class MembershipRound:
         at the same step, twice in a row is refused: the failure recurs with nobody lost, so it is the job's
         own and another round would only repeat it."""
         deadline = time.monotonic() + deadline_s
-        ids = {m.id for m in world}
         leases = NodeLeases(self.store, self._root, lease_s)
-        dead, looked = set(), 0.0
+        gone, looked = 0, 0.0
         while time.monotonic() < deadline:
             if time.monotonic() - looked > _LEASE_POLL_S:
-                dead, looked = self._lost_members(world, leases), time.monotonic()
-            if self.store.add(f"{self.key}/survivors", 0) + len(dead & ids) >= len(world):
+                gone, looked = self._gone_without_joining(world, leases), time.monotonic()
+            if self.store.add(f"{self.key}/survivors", 0) + gone >= len(world):
                 break
             time.sleep(_POLL_S)
         assignment = self._assign(degrees, world, leases)
@@ -210,6 +214,37 @@ class MembershipRound:
             return Outcome(None, f"the failure came back at step {step + 1} with every process alive, so it is "
                                  f"the job's own, not a lost peer's", step, still)
         return Outcome(assignment, "", max(step, before.step if before else -1), still)
+
+    def _gone_without_joining(self, world: list[Member], leases: "NodeLeases") -> int:
+        """How many members of ``world`` are dead and never joined (one that joined and then died, a decider
+        replaced, is counted among the survivors already); the member list is read only when one is dead."""
+        dead = self._lost_members(world, leases) & {m.id for m in world}
+        return len(dead - {m.id for m in self.members()}) if dead else 0
+
+    def await_outcome(self, me: Member, world: list[Member], timeout_s: float, decide: Callable[[], object],
+                      lease_s: float = 5.0) -> "Outcome":
+        """A survivor's wait for the round's decision, up to ``timeout_s`` after the newest decider took the
+        round. Should the decider die first (reported by its agent, or its node's lease run out), the first
+        survivor to claim its place runs ``decide`` (:meth:`decide` with the round's arguments) itself."""
+        key, leases = f"{self.key}/decision", NodeLeases(self.store, self._root, lease_s)
+        decider, deadline = None, 0.0
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=_LEASE_POLL_S * 2))
+                return Outcome.from_json(self.store.get(key).decode())
+            except dist.DistStoreError:
+                pass
+            current = self.store.get(f"{self.key}/decider").decode()
+            if current != decider:
+                decider, deadline = current, time.monotonic() + timeout_s
+            if time.monotonic() > deadline:
+                return Outcome(None, f"no decision within {timeout_s:g} s: the deciding survivor hung")
+            if decider in self._lost_members(world, leases) and self._claim(decider, me.id):
+                decide()
+
+    def _claim(self, dead: str, me: str) -> bool:
+        """Take the dead decider's place; False when another survivor took it first."""
+        return self.store.compare_set(f"{self.key}/decider", dead, me).decode() == me
 
     def _lost_members(self, world: list[Member], leases: "NodeLeases") -> set[str]:
         """The members known dead: reported by their agent, or on a node whose agent's lease ran out (a lost

@@ -124,11 +124,14 @@ class Membership:
         rnd = MembershipRound(self.store, self.epoch, self.prefix)
         cfg = self.cfg
         wait = cfg.round_timeout_s + cfg.wait_for_replacement_s + cfg.node_lease_s
+        def decide():
+            return rnd.decide(degrees, self.world, deadline_s=cfg.round_timeout_s, shrink=cfg.shrink,
+                              replacement_s=cfg.wait_for_replacement_s, dp_ok=dp_ok, lease_s=cfg.node_lease_s)
+
         try:
             if rnd.join(self.me, survivor=True, step=step):
-                rnd.decide(degrees, self.world, deadline_s=cfg.round_timeout_s, shrink=cfg.shrink,
-                           replacement_s=cfg.wait_for_replacement_s, dp_ok=dp_ok, lease_s=cfg.node_lease_s)
-            outcome = rnd.outcome(timeout_s=wait + 10.0)
+                decide()
+            outcome = rnd.await_outcome(self.me, self.world, wait + 10.0, decide, lease_s=cfg.node_lease_s)
         except (RuntimeError, dist.DistError) as e:  # the store is gone: nothing to re-form on
             raise RoundFailed(f"the membership store is unreachable ({e})") from None
         role = outcome.role(self.me.id)

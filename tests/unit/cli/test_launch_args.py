@@ -21,7 +21,7 @@ def test_help_lists_every_option_and_exits_0():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: megatier-launch --nodes N --procs-per-node M [options] -- SCRIPT")
     for option in ("--nodes", "--procs-per-node", "--recovery", "--spares-per-node", "--spare-nodes",
-                   "--fail-grace-s", "--max-restarts", "--port"):
+                   "--fail-grace-s", "--max-restarts", "--port", "--respawn"):
         assert option in proc.stdout, option
 
 

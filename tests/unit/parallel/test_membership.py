@@ -108,6 +108,31 @@ def test_a_decider_that_never_answers_ends_the_round_for_the_others(store):
     assert outcome.assignment is None and outcome.role(WORLD[1].id) == "leave" and time.monotonic() - started < 5
 
 
+def test_a_decider_that_dies_before_it_answers_is_replaced_by_the_next_survivor(store):
+    """A second failure in the round: the first survivor to join (the decider) dies before it publishes; the
+    others see its death reported and one of them decides instead, giving both lost ranks to spares."""
+    spares = [SPARE, Member("node1/spare0", "node1")]
+    client = _client(store)
+    for spare in spares:
+        MembershipRound(client, epoch=1).join(spare, survivor=False)
+    MembershipRound(client, epoch=1).report_dead(WORLD[1].id)  # the first failure
+    assert MembershipRound(client, epoch=1).join(WORLD[0], survivor=True)  # the decider, which then dies
+    MembershipRound(client, epoch=1).report_dead(WORLD[0].id)
+
+    def survivor(me):
+        def fn(rnd):
+            deciding = rnd.join(me, survivor=True)
+            decide = lambda: rnd.decide((2, 1, 2), WORLD, deadline_s=20.0, shrink=False)  # noqa: E731
+            return deciding, rnd.await_outcome(me, WORLD, 30.0, decide)
+        return fn
+
+    started = time.monotonic()
+    out = _in_threads(store, {m.id: survivor(m) for m in WORLD[2:]})
+    assert time.monotonic() - started < 10 and not any(deciding for deciding, _ in out.values())
+    (a,) = {o.assignment for _, o in out.values()}
+    assert a.holders == ("node0/spare0", "node1/spare0", "node1/0", "node1/1")
+
+
 def test_a_spare_that_died_with_its_node_is_not_given_a_rank(store):
     dead_spare = Member("node1/spare0", "node1")
     client = _client(store)
