@@ -185,11 +185,13 @@ def table_nodes(rows: list[dict]) -> str:
             ("decider CPU s", lambda r: r["new_decider_cpu_s"], lambda v: f"{v:.3f}"),
             ("decider wall s", lambda r: r["new_decider_wall_s"], lambda v: f"{v:.3f}"),
             ("holdings read", lambda r: r["new_holdings"], lambda v: f"{v:,}"),
-            ("point to each leader KiB", lambda r: r["new_point_bytes"], lambda v: f"{v / 1024:,.1f}"),
+            ("decider sends MiB", lambda r: r["new_point_bytes"], mib),
             ("leader receives KiB", lambda r: r["new_leader_receives"], lambda v: f"{v / 1024:,.1f}"),
             ("leader peak MiB", lambda r: r["new_leader_peak"], mib),
             ("leader CPU ms", lambda r: 1000 * r["new_leader_cpu_s"], lambda v: f"{v:.1f}"),
-            ("critical path CPU s", lambda r: r["new_modeled_s"], lambda v: f"{v:.3f}")]
+            ("critical path CPU s", lambda r: r["new_modeled_s"], lambda v: f"{v:.3f}"),
+            ("today's Tier-3 on rank 0: CPU s", lambda r: r["t3_lister_cpu_s"], lambda v: f"{v:.3f}"),
+            ("its peak MiB", lambda r: r["t3_lister_peak"], mib)]
     lines = ["| ranks | nodes | " + " | ".join(name for name, _, _ in cols) + " |",
              "|---:|---:|" + "---:|" * len(cols)]
     lines += [f"| {r['ranks']:,} | {r['nodes']:,} | " + " | ".join(fmt(key(r)) for _, key, fmt in cols) + " |"

@@ -106,6 +106,13 @@ class Point:
         return out
 
 
+def part(point: Point, owners: Iterable[Range]) -> Point:
+    """The spans a leader needs: those of the owners it holds copies of (it routes them) and of its own ranks
+    (it cuts their plans and knows from them whom it hears from). O(its ranges), whatever the world."""
+    spans = {s for lo, hi in owners for s in point.spans_of(lo, hi)}
+    return replace(point, spans=tuple(sorted(spans, key=lambda s: s.lo)))
+
+
 def ranges(owners: Iterable[int]) -> tuple[Range, ...]:
     """Sorted owners as maximal half-open ranges."""
     out: list[list[int]] = []
@@ -172,8 +179,30 @@ def _sweep(holdings: Sequence[Holding], world: int) -> Optional[list[tuple[int, 
     return pieces
 
 
-def _held(holdings: Sequence[Holding], cover: frozenset[int]) -> frozenset[PayloadId]:
-    return frozenset(p for i in cover for p in holdings[i].pids)
+class _Unions:
+    """What the owners of each piece hold in every tier, computed once per distinct set of unit tuples (the
+    holdings' tuples are shared: :func:`interned`), so the decider hashes a few units per kind, not per node."""
+
+    def __init__(self, holdings: Sequence[Holding]):
+        self.holdings = holdings
+        self.memo: dict[frozenset[int], frozenset[PayloadId]] = {}
+        self.overlap: dict[tuple[int, int], bool] = {}
+
+    def of(self, cover: frozenset[int]) -> frozenset[PayloadId]:
+        key = frozenset(id(self.holdings[i].pids) for i in cover)
+        held = self.memo.get(key)
+        if held is None:
+            held = self.memo[key] = frozenset(p for i in cover for p in self.holdings[i].pids)
+        return held
+
+    def serves(self, i: int, units: frozenset[PayloadId]) -> bool:
+        """Whether holding ``i`` has some of ``units``."""
+        pids = self.holdings[i].pids
+        key = (id(pids), id(units))
+        hit = self.overlap.get(key)
+        if hit is None:
+            hit = self.overlap[key] = not units.isdisjoint(pids)
+        return hit
 
 
 def agree(holdings: Iterable[Holding], *, job_id: str, config: Optional[ConfigCheck] = None) -> Optional[Point]:
@@ -181,7 +210,8 @@ def agree(holdings: Iterable[Holding], *, job_id: str, config: Optional[ConfigCh
     (see the module docstring); None when the full consensus must decide. Pure."""
     config = config or ConfigCheck("")
     holdings = list(holdings)
-    if any(h.job_id != job_id or config.refusal(h.fingerprint) is not None for h in holdings):
+    refused = {fp for fp in {h.fingerprint for h in holdings} if config.refusal(fp) is not None}
+    if any(h.job_id != job_id or h.fingerprint in refused for h in holdings):
         return None
     layouts = {h.degrees for h in holdings}
     if len(layouts) != 1:
@@ -190,20 +220,19 @@ def agree(holdings: Iterable[Holding], *, job_id: str, config: Optional[ConfigCh
     pieces = _sweep(holdings, math.prod(degrees))
     if pieces is None:
         return None
-    covers = {c for _, _, c in pieces}
-    held = {cover: _held(holdings, cover) for cover in covers}  # what each piece's owners have in every tier
-    unions = set(held.values())
-    common = set.intersection(*({p.version for p in u if p.kind == BASE} for u in unions))
+    unions = _Unions(holdings)
+    held = [unions.of(cover) for _, _, cover in pieces]  # what each piece's owners have in every tier
+    distinct = set(held)
+    common = set.intersection(*({p.version for p in u if p.kind == BASE} for u in distinct))
     if not common:
         return None
     version = max(common)
-    reach = {u: reachable(version, [p for p in u if p.kind != BASE]) for u in unions}
+    reach = {u: reachable(version, [p for p in u if p.kind != BASE]) for u in distinct}
     end = max(set.intersection(*(set(r) for r in reach.values())))
     chains = {u: tuple(chain_to(r, version, end)) for u, r in reach.items()}
     units = {u: frozenset(chain) for u, chain in chains.items()}
     spans = []
-    for lo, hi, cover in pieces:
-        chain = chains[held[cover]]
-        holders = {holdings[i].where for i in cover if not units[held[cover]].isdisjoint(holdings[i].pids)}
-        spans.append(Span(lo, hi, chain, tuple(sorted(holders, key=lambda w: (w[0], w[1] or "")))))
+    for (lo, hi, cover), u in zip(pieces, held):
+        holders = {holdings[i].where for i in cover if unions.serves(i, units[u])}
+        spans.append(Span(lo, hi, chains[u], tuple(sorted(holders, key=lambda w: (w[0], w[1] or "")))))
     return Point(version, end, degrees, tuple(spans))

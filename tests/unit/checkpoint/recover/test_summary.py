@@ -12,7 +12,7 @@ from megatier.checkpoint.recover.consensus import ConfigCheck, decide
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.plan import RankPlan, cut
 from megatier.checkpoint.recover.routing import plans_for, route, senders
-from megatier.checkpoint.recover.summary import Holding, agree, holdings_of, interned, ranges, summarize
+from megatier.checkpoint.recover.summary import Holding, agree, holdings_of, interned, part, ranges, summarize
 from megatier.checkpoint.tiers.base import TIER1, TIER2, TIER3, Copy, Listing
 from megatier.parallel.layout import Layout
 
@@ -135,3 +135,12 @@ def test_the_spare_nodes_leader_hears_from_the_holders_of_its_ranks_units_only()
     assert senders(point, [4, 5]) == [(TIER2, "node3"), (TIER3, None)]
     assert senders(point, [0, 1]) == [(TIER1, "node0"), (TIER2, "node1"), (TIER3, None)]
     assert [len(p.consensus.chains[4]) for p in plans[4:5]] == [1 + 5]
+
+
+def test_a_leaders_part_of_the_point_has_the_spans_it_holds_and_cuts_only():
+    holdings = [_holding(((lo, lo + 2),)) for lo in range(0, 8, 2)]
+    point = agree(holdings, job_id=JOB)
+    assert [(s.lo, s.hi) for s in point.spans] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    mine = part(point, [(4, 6), (2, 3)])
+    assert [(s.lo, s.hi) for s in mine.spans] == [(2, 4), (4, 6)]
+    assert (mine.version, mine.end, mine.rounds) == (point.version, point.end, point.rounds)
