@@ -64,7 +64,7 @@ def run(overrides: list[str]) -> int:
         refused = outcome.refusal(e)
         if refused is None:
             raise
-        return outcome.refuse(*refused)
+        return outcome.refuse(*refused, getattr(e, "announce", None))
     finally:
         inprocess.release_spares(trainer, cfg.recovery if cfg is not None else None)
         outcome.drop_process_group()

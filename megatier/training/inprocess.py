@@ -46,7 +46,13 @@ _DEAD_POLL_S = 0.2
 
 
 class RoundFailed(RuntimeError):
-    """The membership round could not re-form the job; the launch ends and a relaunch restores."""
+    """The membership round could not re-form the job; the launch ends and a relaunch restores. ``announce``:
+    whether this process says so (:meth:`Membership.failed`: one process of the launch, whatever its rank, as
+    rank 0 may be among the lost); None leaves it to global rank 0."""
+
+    def __init__(self, message: str, announce: Optional[bool] = None):
+        super().__init__(message)
+        self.announce = announce
 
 
 class PeerLost(RuntimeError):
@@ -137,10 +143,19 @@ class Membership:
         role = outcome.role(self.me.id)
         if role == "idle":
             return None
-        if role != "rank":
-            raise RoundFailed(outcome.reason if outcome.assignment is None else
-                              "this process was left out of the re-formed job")
+        if role != "rank" and outcome.assignment is None:
+            raise self.failed(outcome.reason)
+        if role != "rank":  # the job goes on without this process (it came late): nothing to announce
+            raise RoundFailed("this process was left out of the re-formed job", announce=False)
         return self._adopt(outcome.assignment)
+
+    def failed(self, reason: str) -> RoundFailed:
+        """The launch's end for ``reason``, said by the first of its processes to get here."""
+        try:
+            first = self.store.add(f"{self.prefix}/failure_said", 1) == 1
+        except (RuntimeError, dist.DistError):
+            first = None
+        return RoundFailed(reason, announce=first)
 
     def rendezvous(self, rank: int, timeout_s: float) -> None:
         """Wait until every holder of the world this epoch formed has arrived, before its process groups form:
@@ -182,7 +197,7 @@ class Membership:
                     looked = time.monotonic()
                     if rnd.world_lost(leases):  # the launch is over: the other spares and the agents stop waiting
                         MembershipRound.finish(self.store, self.prefix)
-                        raise RoundFailed("every rank of the job was lost at once, so no survivor is left to "
+                        raise self.failed("every rank of the job was lost at once, so no survivor is left to "
                                           "re-form it")
                 time.sleep(_SPARE_POLL_S)
             outcome = rnd.outcome(timeout_s=1.0)

@@ -123,15 +123,16 @@ def refusal(error: BaseException) -> Optional[tuple[int, str]]:
     return None
 
 
-def refuse(status: int, line: str) -> int:
-    """Print a refusal's line (rank 0) and return its exit status, once rank 0 has printed it. Under torchrun's
-    agent the first worker to exit makes the agent stop the others, so a rank that reached the refusal before
-    rank 0 (a loaded machine) got rank 0 killed before its line. Rank 0 marks the line said in the agent's
-    store; the other ranks wait for the mark before they exit."""
+def refuse(status: int, line: str, speaker: Optional[bool] = None) -> int:
+    """Print a refusal's line (rank 0, or this process when ``speaker``: the one the refusal chose) and return
+    its exit status, once it is printed. Under torchrun's agent the first worker to exit makes the agent stop
+    the others, so a rank that reached the refusal before rank 0 (a loaded machine) got rank 0 killed before
+    its line. Rank 0 marks the line said in the agent's store; the other ranks wait for the mark before they
+    exit."""
     store = _agent_store()
     key = f"megatier/refusal_said/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    if is_rank0():
-        say(line, err=True)
+    if is_rank0() if speaker is None else speaker:
+        print(line, file=sys.stderr, flush=True)
         if store is not None:
             store.set(key, "1")
     elif store is not None:

@@ -187,3 +187,23 @@ def test_a_clean_stop_is_not_reported_as_a_death(monkeypatch):
         child.process.wait()
     agent.poll()
     assert MembershipRound(server, 0, run_prefix("t")).reported_dead() == {"node0/1"}
+
+
+def test_a_failed_launch_is_announced_by_one_process_whatever_its_rank(monkeypatch, capsys):
+    """Rank 0 may be among the lost: the first process to learn that the job cannot be re-formed says so, the
+    others end with the same status and say nothing."""
+    from megatier.training import outcome
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    ends = []
+    for member in ("node1/0", "node1/1", "node2/spare0"):
+        monkeypatch.setenv(inprocess.ENV_MEMBER, member)
+        monkeypatch.setenv("RANK", "2")  # not rank 0
+        error = Membership.connect(RecoveryConfig(store=f"127.0.0.1:{server.port}"), timeout_s=30).failed("why")
+        ends.append(outcome.refuse(*outcome.refusal(error), error.announce))
+    assert ends == [outcome.EXIT_REFORM_FAILED] * 3
+    assert capsys.readouterr().err.count("in-process recovery could not re-form the job: why;") == 1
+    left_out = inprocess.RoundFailed("this process was left out of the re-formed job", announce=False)
+    monkeypatch.setenv("RANK", "0")
+    outcome.refuse(*outcome.refusal(left_out), left_out.announce)  # the job goes on: nothing to announce
+    assert capsys.readouterr().err == ""
