@@ -6,7 +6,7 @@ root.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -155,6 +155,17 @@ class DataConfig:
     seq_len: int = 128
     val_fraction: float = 0.05
     seed: int = 1234
+    # Megatron's blends and splits (docs/data.md), instead of data.prefix; Megatron-format or MegaTier corpora.
+    # Megatron's --data-path: [weight, prefix, weight, prefix, ...] or [prefix, ...] (weighted by size).
+    blend: Optional[list[Any]] = None
+    # Megatron's --split with data.blend: train,valid,test shares of each corpus's documents (None: "969,30,1").
+    split: Optional[str] = None
+    # Megatron's --train-data-path, --valid-data-path, --test-data-path: a blend per split (no data.blend/split).
+    train_blend: Optional[list[Any]] = None
+    valid_blend: Optional[list[Any]] = None
+    test_blend: Optional[list[Any]] = None
+    # Megatron's --mid-level-dataset-surplus: spare samples each corpus of a weighted blend is built with.
+    mid_level_dataset_surplus: float = 0.005
 
 
 @dataclass

@@ -20,6 +20,7 @@ from megatier.config.schema import (
     RECOMPUTE,
     WSD_DECAY_STYLES,
     Config,
+    ConfigError,
     DataConfig,
     ModelConfig,
     OptimConfig,
@@ -29,6 +30,8 @@ from megatier.config.schema import (
     ffn_size,
 )
 from megatier.config.schema import require as _require
+from megatier.data.megatron_indexed import index_format
+from megatier.data.megatron_splits import parse_blend, parse_split
 
 
 class ConfigWarning(UserWarning):
@@ -209,6 +212,54 @@ def _validate_data(d: DataConfig, m: ModelConfig) -> None:
                 f"data.prefix={d.prefix!r}: {path} does not exist; build it with megatier-preprocess "
                 f"--output-prefix {d.prefix} or leave data.prefix unset for the default corpus",
             )
+        _validate_blend("data.prefix", [d.prefix], m)
+
+
+def _validate_blends(d: DataConfig, m: ModelConfig) -> None:
+    """Megatron's blends and splits (docs/data.md): one way to name the data, well-formed lists, corpora that
+    exist, and a vocabulary for Megatron corpora, which record none."""
+    per_split = {"data.train_blend": d.train_blend, "data.valid_blend": d.valid_blend, "data.test_blend": d.test_blend}
+    given = [key for key, value in per_split.items() if value is not None]
+    _require(d.split is None or d.blend is not None, f"data.split={d.split!r} cuts the corpora of data.blend; set "
+                                                      f"data.blend (Megatron's --data-path) or unset data.split")
+    if d.blend is None and not given:
+        return
+    named = "data.blend" if d.blend is not None else given[0]
+    _require(d.prefix is None, f"data.prefix and {named} both name the data; keep one (unset data.prefix)")
+    _require(d.blend is None or not given, f"data.blend and {given[0] if given else ''} both name the data, as "
+                                           f"Megatron's --data-path and --train-data-path do; keep one")
+    _require(d.blend is not None or d.train_blend is not None,
+             f"{named} without data.train_blend leaves nothing to train on; set data.train_blend too")
+    _require(d.mid_level_dataset_surplus >= 0, f"data.mid_level_dataset_surplus={d.mid_level_dataset_surplus} "
+                                                f"must be >= 0")
+    if d.split is not None:
+        try:
+            parse_split(d.split)
+        except ValueError as e:
+            raise ConfigError(f"data.split: {e}") from None
+    blends = {"data.blend": d.blend, **per_split}
+    for key, blend in blends.items():
+        if blend is not None:
+            _validate_blend(key, blend, m)
+
+
+def _validate_blend(key: str, blend: list, m: ModelConfig) -> None:
+    try:
+        prefixes, _ = parse_blend(blend)
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from None
+    for prefix in prefixes:
+        for suffix in (".bin", ".idx"):
+            path = os.path.expanduser(prefix) + suffix
+            _require(os.path.isfile(path), f"{key}: {path} does not exist; name each corpus by its path without "
+                                           f".bin or .idx")
+        try:
+            kind = index_format(os.path.expanduser(prefix) + ".idx")
+        except ValueError as e:
+            raise ConfigError(f"{key}: {e}") from None
+        _require(kind != "megatron" or m.vocab_size is not None,
+                 f"{key}: {prefix} is a Megatron corpus, which records no vocabulary; set model.vocab_size to its "
+                 f"tokenizer's (Megatron's --vocab-size, or the tokenizer's size)")
 
 
 def _validate_pipeline_order(m: ModelConfig, t: TrainConfig, pp: int, dp: Optional[int]) -> None:
@@ -244,6 +295,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)
+    _validate_blends(cfg.data, cfg.model)
     if p.sequence_parallel and p.tp == 1:
         warnings.warn("parallel.sequence_parallel=true does nothing at parallel.tp=1: it cuts activations across the "
                       "tensor-parallel ranks; set parallel.tp > 1, or leave it unset", ConfigWarning, stacklevel=2)

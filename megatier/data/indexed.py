@@ -135,6 +135,17 @@ class _VerifiedFiles:
             log.debug("could not remember the verified dataset %s: %s", path, e)
 
 
+def remembered_checksum(path: str, cache_dir: Optional[str] = None) -> str:
+    """xxh64 of a file that records none of its own (a Megatron corpus): computed once per file version (path,
+    size, modification time) and remembered in the cache directory, as verified MegaTier files are."""
+    remembered = _VerifiedFiles(cache_dir)
+    checksum = remembered.checksum(path)
+    if checksum is None:
+        checksum = file_xxh64(path)
+        remembered.remember(path, checksum)
+    return checksum
+
+
 class IndexedDataset:
     """Read-only view of a token dataset; ``tokens`` is a memory map, never loaded whole."""
 
@@ -180,3 +191,14 @@ class IndexedDataset:
 
     def document(self, i: int) -> np.ndarray:
         return np.asarray(self.tokens[self.doc_offsets[i]:self.doc_offsets[i + 1]])
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """Tokens per document, as Megatron's sequence lengths (its GPT samples cut documents alike)."""
+        return np.diff(self.doc_offsets).astype(np.int32)
+
+    def get(self, sequence: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
+        """Tokens [offset, offset + length) of document ``sequence`` (to its end when ``length`` is None)."""
+        start = int(self.doc_offsets[sequence]) + offset
+        end = int(self.doc_offsets[sequence + 1]) if length is None else start + length
+        return np.asarray(self.tokens[start:end])

@@ -34,9 +34,7 @@ from megatier.checkpoint.policy.rules import check_checkpoint_config, effective_
 from megatier.checkpoint.recover.record import say_recovered
 from megatier.config import Config, ConfigError, validate
 from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
-from megatier.data.corpus import ensure_default_corpus
-from megatier.data.dataset import BatchSource, GPTSamples, ResumableSampler
-from megatier.data.indexed import IndexedDataset
+from megatier.data.source import DataError, build_training_data
 from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, gradient_nan, parameter_flip
 from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import GPTStage, init_weights, load_full_state
@@ -151,27 +149,14 @@ class Trainer(InPlaceRecovery):
             torch.set_num_threads(threads)
 
     def _build_data(self) -> None:
-        d = self.cfg.data
-        prefix = d.prefix
-        # A spare joining a re-formed job finds the corpus rank 0 made at the launch (the survivors build no data,
-        # so there is nobody to broadcast with).
-        joining = self.membership is not None and self.membership.epoch > 0
-        if prefix is None:
-            if self.ps.rank == 0 or joining:
-                prefix = ensure_default_corpus(d.cache_dir, d.tokenizer, d.default_corpus_mib, d.bpe_vocab_size)
-            if not joining:
-                holder = [prefix]
-                dist.broadcast_object_list(holder, src=0, group=self.ps.checkpoint_group)
-                prefix = holder[0]
-        self.data_prefix = prefix
-        dataset = IndexedDataset(prefix, cache_dir=d.cache_dir)
-        self.data_checksum = dataset.checksum
-        self.dataset_meta = dataset.metadata
-        samples = GPTSamples(dataset, d.seq_len, d.val_fraction)
-        t = self.cfg.train
-        self.batches = BatchSource(samples, ResumableSampler(samples.num_train, d.seed),
-                                   global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-                                   dp=self.ps.dp, dp_rank=self.ps.dp_rank, rampup=t.rampup_batch_size)
+        joining = self.membership is not None and self.membership.epoch > 0  # a spare joining a re-formed job
+        try:
+            data = build_training_data(self.cfg.data, self.cfg.train, self.ps, joining=joining,
+                                       vocab_size=self.cfg.model.vocab_size)
+        except DataError as e:  # the data the config names cannot give what the job asks: the config's to fix
+            raise ConfigError(str(e)) from None
+        self.data_prefix, self.data_checksum, self.dataset_meta = data.prefix, data.checksum, data.metadata
+        self.batches = data.batches
 
     def _build_model(self) -> None:
         m, ps = self.cfg.model, self.ps
