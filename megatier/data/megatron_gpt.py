@@ -108,7 +108,7 @@ class GPTSplit:
         lengths = corpus.sequence_lengths
         tokens_per_epoch = int(np.sum(lengths[documents], dtype=np.int64))
         if tokens_per_epoch < 1:
-            raise ValueError(f"{name} has no tokens in documents [{_span(documents)}); give the split more "
+            raise ValueError(f"{name} has no tokens in its {len(documents)} documents; give the split more "
                              f"documents (data.split) or leave the corpus out of it")
         epochs = num_epochs(tokens_per_epoch, num_samples, seq_len)
         separate = separate_final_epoch(tokens_per_epoch, epochs, num_samples, seq_len)
@@ -135,6 +135,3 @@ class GPTSplit:
         parts.append(self.corpus.get(int(docs[last]), 0, int(end) + EXTRA_TOKEN))
         return np.concatenate(parts).astype(np.int64)
 
-
-def _span(documents: np.ndarray) -> str:
-    return f"{int(documents[0])}, {int(documents[-1]) + 1}" if len(documents) else "0, 0"

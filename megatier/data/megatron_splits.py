@@ -125,6 +125,10 @@ class SplitBuilder:
     def _part(self, plan: SplitPlan, prefix: str, count: Optional[int]) -> GPTSplit:
         corpus = self.corpus(prefix)
         documents = split_documents(len(corpus.sequence_lengths), plan.bookend)
+        if not len(documents):  # Megatron would loop forever looking for its tokens
+            raise ValueError(f"data.split gives the {plan.name} split of {prefix} none of its "
+                             f"{len(corpus.sequence_lengths)} documents; give that split a larger share or the "
+                             f"corpus more documents")
         return GPTSplit(corpus, documents, count, self.seq_len, self.seed, name=f"the {plan.name} split of {prefix}")
 
     def build(self, plan: SplitPlan, count: int) -> Samples:
