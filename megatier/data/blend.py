@@ -31,6 +31,8 @@ def normalize(weights: Sequence[float]) -> list[float]:
 def blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(corpus of each blended sample as int16, that sample's index within its corpus as int64)."""
     corpus_of = np.zeros(size, dtype=np.int16)
+    if len(weights) == 1:  # every sample is the one corpus's next
+        return corpus_of, np.arange(size, dtype=np.int64)
     index_in = np.zeros(size, dtype=np.int64)
     taken = [0] * len(weights)
     order = range(1, len(weights))
@@ -72,8 +74,3 @@ class BlendedSamples:
 
     def sample(self, i: int) -> np.ndarray:
         return self.parts[int(self.corpus_of[i])].sample(int(self.index_in[i]))
-
-    def realized_shares(self) -> list[float]:
-        """The share of the blend each corpus gives (the weights, up to rounding)."""
-        counts = np.bincount(self.corpus_of, minlength=len(self.parts))
-        return (counts / max(1, len(self))).tolist()
