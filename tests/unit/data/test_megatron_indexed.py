@@ -96,3 +96,16 @@ def test_a_truncated_bin_is_refused(tmp_path):
         f.truncate(12)
     with pytest.raises(ValueError, match="truncated or mismatched"):
         MegatronIndexedDataset(prefix, cache_dir=str(tmp_path / "cache"))
+
+
+def test_data_prefix_reads_a_megatron_corpus_in_megatiers_own_order(tmp_path):
+    from megatier.data.dataset import GPTSamples
+
+    prefix = str(tmp_path / "corpus")
+    documents = random_documents(np.random.default_rng(2), 20, 500)
+    write_corpus(prefix, documents, np.int32)
+    samples = GPTSamples(open_corpus(prefix, str(tmp_path / "cache")), seq_len=7, val_fraction=0.1)
+    stream = [token for document in documents for token in document]
+    assert samples.num_train + samples.num_val == (len(stream) - 1) // 7
+    for i in (0, 3, samples.num_train):
+        assert samples.sample(i).tolist() == stream[i * 7:i * 7 + 8]
