@@ -18,8 +18,8 @@ Everyone reads that one answer, so no two processes act on different worlds; onl
 store (two counters), and only it reads the member list, once. A survivor that joins after the decision is
 in neither list and must leave (:meth:`Outcome.role`), as must everyone when the round could not complete
 (the job then falls back to a relaunch). A decider that dies before it publishes (a second failure in the
-round) is replaced: the survivors waiting for its answer watch for its death, and the first to claim its
-place decides instead (:meth:`MembershipRound.await_outcome`).
+round) is replaced: its deputy, the second survivor to join, watches for its death and decides instead
+(:meth:`MembershipRound.await_outcome`); the other survivors block on the store as before.
 """
 from __future__ import annotations
 
@@ -107,19 +107,20 @@ class MembershipRound:
         self.key = f"{prefix}/{epoch}"
         self._root = prefix
         self._dead = f"{prefix}/dead"
+        self.survivor_index = 0  # this process's place among the survivors that joined (join): 1 decides
 
     # ---- members ------------------------------------------------------------------------------
 
     def join(self, member: Member, *, survivor: bool, step: int = -1) -> bool:
         """Enter the round, as a surviving rank's holder (``step``: the newest step it trained) or an idle spare;
         True for the one survivor that decides (the first to join: one process polls the store, the others
-        wait for its answer)."""
+        wait for its answer; the second is its deputy, :meth:`await_outcome`)."""
         slot = self.store.add(f"{self.key}/joined", 1) - 1
         self.store.set(f"{self.key}/member/{slot}", json.dumps({"id": member.id, "node": member.node, "step": step}))
-        deciding = survivor and self.store.add(f"{self.key}/survivors", 1) == 1
-        if deciding:
+        self.survivor_index = self.store.add(f"{self.key}/survivors", 1) if survivor else 0
+        if self.survivor_index == 1:
             self.store.set(f"{self.key}/decider", member.id)
-        return deciding
+        return self.survivor_index == 1
 
     def publish_world(self, ids: list[str]) -> None:
         """The launch's world (member id by rank), for the spares: epoch 0 has no decision that lists it."""
@@ -223,17 +224,23 @@ class MembershipRound:
 
     def await_outcome(self, me: Member, world: list[Member], timeout_s: float, decide: Callable[[], object],
                       lease_s: float = 5.0) -> "Outcome":
-        """A survivor's wait for the round's decision, up to ``timeout_s`` after the newest decider took the
-        round. Should the decider die first (reported by its agent, or its node's lease run out), the first
-        survivor to claim its place runs ``decide`` (:meth:`decide` with the round's arguments) itself."""
+        """A survivor's wait for the round's decision (after :meth:`join`), up to ``timeout_s`` after the newest
+        decider took the round. The decider's deputy (the second survivor to join) watches it meanwhile: should
+        it die first (reported by its agent, or its node's lease run out), the deputy claims its place and runs
+        ``decide`` (:meth:`decide` with the round's arguments) itself. The other survivors block on the store
+        until the decision comes (twice as long: a deputy's decision comes after the decider's death), so the
+        store serves one poller, not every survivor."""
+        if self.survivor_index != 2:
+            return self.outcome(2 * timeout_s)
         key, leases = f"{self.key}/decision", NodeLeases(self.store, self._root, lease_s)
-        decider, deadline = None, 0.0
+        decider, deadline, looked = None, 0.0, 0.0
         while True:
-            try:
-                self.store.wait([key], timedelta(seconds=_LEASE_POLL_S * 2))
+            if self.store.check([key]):  # polled: a store wait that times out logs a warning each time
                 return Outcome.from_json(self.store.get(key).decode())
-            except dist.DistStoreError:
-                pass
+            if time.monotonic() - looked < _LEASE_POLL_S:
+                time.sleep(_POLL_S * 4)
+                continue
+            looked = time.monotonic()
             current = self.store.get(f"{self.key}/decider").decode()
             if current != decider:
                 decider, deadline = current, time.monotonic() + timeout_s
@@ -243,7 +250,8 @@ class MembershipRound:
                 decide()
 
     def _claim(self, dead: str, me: str) -> bool:
-        """Take the dead decider's place; False when another survivor took it first."""
+        """Take the dead decider's place; False when it was taken first (a deputy whose own outcome wait ended
+        and who joined a later round has no rival here, but the claim keeps one decider per round anyway)."""
         return self.store.compare_set(f"{self.key}/decider", dead, me).decode() == me
 
     def _lost_members(self, world: list[Member], leases: "NodeLeases") -> set[str]:

@@ -14,8 +14,10 @@ member of the job's current world:
 * ``hang``: SIGSTOP one rank's process (the round leaves it out once the collective times out; its agent
   kills it).
 
-The job must end with exit 0 and the final ``state_digest`` of the same job run without faults (which this
-tool runs first, unless ``--reference`` gives its digest). Prints one row per fault and a summary: goodput
+A fault that cannot be recovered in place (every rank lost at once: exit 7) is recovered by a relaunch, as
+a scheduler would, and the storm goes on once the relaunch trains. The job must end with exit 0 and the final
+``state_digest`` of the same job run without faults (which this tool runs first, unless ``--reference`` names
+an earlier one). Prints one row per fault and a summary: goodput
 (productive time over wall time held, with its split, from the job's own goodput ledger) beside the
 fault-free run's, the distribution of kill to the first step after each recovery, and the steps rerun per
 fault class. Exit status 0 when the job ended bit-identical.
@@ -48,7 +50,8 @@ from megatier.parallel.membership import MembershipRound  # noqa: E402
 from tools.chaos.random_crashes import JOB, metrics  # noqa: E402
 
 NODES, PROCS = 2, 2
-CLASSES = {"process": 0.6, "node": 0.25, "hang": 0.15}  # the draw's weights
+CLASSES = {"process": 0.7, "node": 0.15, "hang": 0.15}  # the draw's weights
+MAX_RELAUNCHES = 5
 # The job's own settings for a storm: a hang is found by the collective's timeout, so keep it short.
 STORM_JOB = [a for a in JOB if not a.startswith(("train.iters", "parallel.timeout_s", "checkpoint.base_interval"))] + [
     "parallel.timeout_s=15", "checkpoint.base_interval=50"]
@@ -152,14 +155,20 @@ class Storm:
         self.wanted, self.interval_s, self.iters, self.classes = faults, interval_s, iters, classes
         self.faults: list[Fault] = []
         self.done = threading.Event()
+        self.relaunches, self._launch_step = 0, 0  # a launch is struck once it trains past where it began
+
+    def relaunched(self, cluster: LocalCluster) -> None:
+        self.cluster, self.relaunches, self._launch_step = cluster, self.relaunches + 1, self.watcher.step
+        if self.faults:
+            self.faults[-1].notes.append("exit 7, relaunched")
 
     def run(self) -> None:
-        while self.watcher.step < 1:  # the job trains: a failure before its first world formed is a launch's
-            if self.done.wait(0.5):
-                return
         while len(self.faults) < self.wanted:
             if self.done.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
                 return
+            while self.watcher.step <= self._launch_step:  # a failure before a launch's world formed is the
+                if self.done.wait(0.5):                    # launch's own, not a recovery's
+                    return
             step = self.watcher.step
             if step >= self.iters - 2:
                 return
@@ -210,29 +219,40 @@ def _kill(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def launch(work: Path, iters: int, storm: Optional[dict], timeout_s: float) -> tuple[int, Optional[Storm]]:
-    """Run the job in process-recovery mode (with ``storm``'s settings, the strikes); its status and storm."""
+def _cluster(work: Path, iters: int) -> LocalCluster:
     cluster = LocalCluster(NODES, PROCS, _job_args(work, iters), recovery="inprocess", spares_per_node=1,
                            spare_nodes=1, respawn=True)
     cluster.start()
-    striker = None
-    if storm is not None:
-        watcher = Watcher(work / "run")
-        striker = Storm(cluster, watcher, random.Random(storm["seed"]), faults=storm["faults"],
-                        interval_s=storm["interval_s"], iters=iters, classes=CLASSES)
-        for loop in (watcher.run, striker.run):
-            threading.Thread(target=loop, daemon=True).start()
+    return cluster
+
+
+def _finish(cluster: LocalCluster, timeout_s: float) -> int:
     try:
-        status = cluster.wait(fail_grace_s=30.0, timeout_s=timeout_s)
+        return cluster.wait(fail_grace_s=30.0, timeout_s=timeout_s)
     finally:
-        if striker is not None:
-            striker.done.set()
-            striker.watcher.done.set()
-            striker.watcher.read()
         for agent in cluster.agents:
             if agent.poll() is None:
                 _signal_group(agent.pid)
-    return status, striker
+
+
+def run_storm(work: Path, iters: int, settings: dict, timeout_s: float) -> tuple[int, Storm]:
+    """The job under the storm: relaunched (up to ``MAX_RELAUNCHES`` times) when a fault could not be
+    recovered in place (exit 7: every rank lost at once), as a scheduler would; its final status."""
+    watcher = Watcher(work / "run")
+    storm = Storm(_cluster(work, iters), watcher, random.Random(settings["seed"]), faults=settings["faults"],
+                  interval_s=settings["interval_s"], iters=iters, classes=CLASSES)
+    for loop in (watcher.run, storm.run):
+        threading.Thread(target=loop, daemon=True).start()
+    try:
+        status = _finish(storm.cluster, timeout_s)
+        while status == 7 and storm.relaunches < MAX_RELAUNCHES:
+            storm.relaunched(_cluster(work, iters))
+            status = _finish(storm.cluster, timeout_s)
+    finally:
+        storm.done.set()
+        watcher.done.set()
+        watcher.read()
+    return status, storm
 
 
 def _signal_group(pid: int) -> None:
@@ -269,7 +289,8 @@ def report(storm: Storm, work: Path, reference: dict, status: int) -> tuple[str,
                     f"{'-' if total is None else f'{total:.2f}':>12} {'-' if rerun is None else rerun:>5}  "
                     f"{'; '.join(f.notes)}")
     exact = status == 0 and summary.get("state_digest") == reference.get("state_digest")
-    rows.append(f"storm: {len(storm.faults)} faults, {len(records)} recoveries, exit {status}, state_digest "
+    rows.append(f"storm: {len(storm.faults)} faults, {len(records)} recoveries, {storm.relaunches} "
+                f"relaunches, exit {status}, state_digest "
                 f"{summary.get('state_digest')} ({'equal to' if exact else 'DIFFERS from'} the fault-free "
                 f"{reference.get('state_digest')})")
     rows.append(_goodput_line("storm", summary) + " | " + _goodput_line("fault-free", reference))
@@ -300,19 +321,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--work-dir", help="where the jobs go (default: a new temp dir)")
     p.add_argument("--timeout-s", type=float, default=7200.0)
+    p.add_argument("--reference", help="the work dir of an earlier fault-free run of the same --iters (its "
+                                       "'reference' folder): compared with, not run again")
     args = p.parse_args(argv)
     _environment()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megatier_storm_")).resolve()
     started = time.monotonic()
-    status, _ = launch(work / "reference", args.iters, None, args.timeout_s)
-    reference = _summary(work / "reference")
-    if status != 0 or reference is None:
-        print(f"storm: the fault-free run failed (exit {status})", file=sys.stderr)
+    reference_dir = Path(args.reference).resolve() if args.reference else work / "reference"
+    if not args.reference:
+        status = _finish(_cluster(reference_dir, args.iters), args.timeout_s)
+        shutil.rmtree(reference_dir / "shm", ignore_errors=True)
+        print(f"storm: the fault-free run took {time.monotonic() - started:.0f} s (exit {status})", file=sys.stderr,
+              flush=True)
+    reference = _summary(reference_dir)
+    if reference is None or reference.get("step") != args.iters:
+        print(f"storm: no fault-free run of {args.iters} steps in {reference_dir}", file=sys.stderr)
         return 1
-    shutil.rmtree(work / "reference" / "shm", ignore_errors=True)
-    print(f"storm: the fault-free run took {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    status, storm = launch(work / "storm", args.iters,
-                           {"seed": args.seed, "faults": args.faults, "interval_s": args.interval_s}, args.timeout_s)
+    status, storm = run_storm(work / "storm", args.iters,
+                              {"seed": args.seed, "faults": args.faults, "interval_s": args.interval_s}, args.timeout_s)
     shutil.rmtree(work / "storm" / "shm", ignore_errors=True)
     text, exact = report(storm, work / "storm", reference, status)
     print(text)
