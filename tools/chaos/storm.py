@@ -14,8 +14,8 @@ member of the job's current world:
 * ``hang``: SIGSTOP one rank's process (the round leaves it out once the collective times out; its agent
   kills it).
 
-A fault that cannot be recovered in place (every rank lost at once: exit 7) is recovered by a relaunch, as
-a scheduler would, and the storm goes on once the relaunch trains. The job must end with exit 0 and the final
+A fault that cannot be recovered in place (every rank lost at once) is recovered by a relaunch, as a
+scheduler would, and the storm goes on once the relaunch trains. The job must end with exit 0 and the final
 ``state_digest`` of the same job run without faults (which this tool runs first, unless ``--reference`` names
 an earlier one). Prints one row per fault and a summary: goodput
 (productive time over wall time held, with its split, from the job's own goodput ledger) beside the
@@ -52,9 +52,11 @@ from tools.chaos.random_crashes import JOB, metrics  # noqa: E402
 NODES, PROCS = 2, 2
 CLASSES = {"process": 0.7, "node": 0.15, "hang": 0.15}  # the draw's weights
 MAX_RELAUNCHES = 5
-# The job's own settings for a storm: a hang is found by the collective's timeout, so keep it short.
+# The job's own settings for a storm: a hang is found by the collective's timeout, so keep it short; a round
+# waits for the spare its agent starts in place of a lost process (a storm outpaces the spares started with the
+# job) rather than shrink dp, which never grows back in place.
 STORM_JOB = [a for a in JOB if not a.startswith(("train.iters", "parallel.timeout_s", "checkpoint.base_interval"))] + [
-    "parallel.timeout_s=15", "checkpoint.base_interval=50"]
+    "parallel.timeout_s=15", "checkpoint.base_interval=50", "recovery.wait_for_replacement_s=60"]
 
 
 @dataclass
@@ -160,7 +162,7 @@ class Storm:
     def relaunched(self, cluster: LocalCluster) -> None:
         self.cluster, self.relaunches, self._launch_step = cluster, self.relaunches + 1, self.watcher.step
         if self.faults:
-            self.faults[-1].notes.append("exit 7, relaunched")
+            self.faults[-1].notes.append("the launch ended (every rank lost), relaunched")
 
     def run(self) -> None:
         while len(self.faults) < self.wanted:
@@ -236,8 +238,9 @@ def _finish(cluster: LocalCluster, timeout_s: float) -> int:
 
 
 def run_storm(work: Path, iters: int, settings: dict, timeout_s: float) -> tuple[int, Storm]:
-    """The job under the storm: relaunched (up to ``MAX_RELAUNCHES`` times) when a fault could not be
-    recovered in place (exit 7: every rank lost at once), as a scheduler would; its final status."""
+    """The job under the storm: relaunched (up to ``MAX_RELAUNCHES`` times) when a launch ended before the job
+    finished (a fault that could not be recovered in place: every rank lost at once), as a scheduler would;
+    its final status."""
     watcher = Watcher(work / "run")
     storm = Storm(_cluster(work, iters), watcher, random.Random(settings["seed"]), faults=settings["faults"],
                   interval_s=settings["interval_s"], iters=iters, classes=CLASSES)
@@ -245,7 +248,7 @@ def run_storm(work: Path, iters: int, settings: dict, timeout_s: float) -> tuple
         threading.Thread(target=loop, daemon=True).start()
     try:
         status = _finish(storm.cluster, timeout_s)
-        while status == 7 and storm.relaunches < MAX_RELAUNCHES:
+        while status != 0 and _unfinished(work, iters) and storm.relaunches < MAX_RELAUNCHES:
             storm.relaunched(_cluster(work, iters))
             status = _finish(storm.cluster, timeout_s)
     finally:
@@ -260,6 +263,11 @@ def _signal_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _unfinished(work: Path, iters: int) -> bool:
+    summary = _summary(work)
+    return summary is None or summary.get("step") != iters
 
 
 def _summary(work: Path) -> Optional[dict]:
