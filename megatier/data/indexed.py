@@ -146,15 +146,22 @@ def remembered_checksum(path: str, cache_dir: Optional[str] = None) -> str:
     return checksum
 
 
+def corpus_files(prefix: str, fix: str) -> tuple[str, str, str]:
+    """``prefix`` (``~`` expanded) and its .idx and .bin paths; FileNotFoundError naming ``fix`` when one is
+    missing."""
+    prefix = os.path.expanduser(prefix)
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} does not exist; {fix}")
+    return prefix, idx_path, bin_path
+
+
 class IndexedDataset:
     """Read-only view of a token dataset; ``tokens`` is a memory map, never loaded whole."""
 
     def __init__(self, prefix: str, cache_dir: Optional[str] = None):
-        prefix = os.path.expanduser(prefix)
-        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-        for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} does not exist; build the dataset with megatier-preprocess")
+        prefix, idx_path, bin_path = corpus_files(prefix, "build the dataset with megatier-preprocess")
         code, self.metadata, self.doc_offsets = read_index(idx_path)
         self.dtype = DTYPES[code]
         num_tokens = int(self.doc_offsets[-1])

@@ -35,7 +35,7 @@ import numpy as np
 import xxhash
 
 from megatier.data.indexed import MAGIC as MEGATIER_MAGIC
-from megatier.data.indexed import IndexedDataset, remembered_checksum
+from megatier.data.indexed import IndexedDataset, corpus_files, remembered_checksum
 
 MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -93,12 +93,7 @@ class MegatronIndexedDataset:
     """Read-only view of a Megatron corpus; ``tokens`` is the whole .bin as a memory map, never loaded whole."""
 
     def __init__(self, prefix: str, cache_dir: Optional[str] = None):
-        prefix = os.path.expanduser(prefix)
-        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-        for path in (idx_path, bin_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(f"{path} does not exist; name a Megatron corpus by its path without "
-                                        f".bin or .idx")
+        prefix, idx_path, bin_path = corpus_files(prefix, "name a Megatron corpus by its path without .bin or .idx")
         self.prefix = prefix
         self.index = MegatronIndex(idx_path)
         self.dtype = self.index.dtype
