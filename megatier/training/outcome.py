@@ -78,8 +78,11 @@ def record_status(status: int) -> None:
     torchrun's agent, stopped by a signal, forgets its workers' statuses, and the launch ends with theirs."""
     directory = os.environ.get(STATUS_DIR)
     if directory:
-        with open(os.path.join(directory, os.environ.get("LOCAL_RANK", "0")), "w") as f:
-            f.write(str(status))
+        try:
+            with open(os.path.join(directory, os.environ.get("LOCAL_RANK", "0")), "w") as f:
+                f.write(str(status))
+        except OSError:  # the launch has ended already (it gave up waiting): nobody reads it
+            pass
 
 
 def recorded_statuses(directory: str, workers: int) -> Optional[list[int]]:

@@ -40,3 +40,9 @@ def test_a_command_outside_megatier_run_records_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     outcome.record_status(0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_that_outlived_its_launch_still_ends_with_its_status(tmp_path, monkeypatch):
+    monkeypatch.setenv(outcome.STATUS_DIR, str(tmp_path / "gone"))  # megatier-run removed its folder
+    outcome.record_status(0)
+    assert not (tmp_path / "gone").exists()
