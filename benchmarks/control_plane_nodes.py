@@ -30,6 +30,7 @@ equal the plan rank 0 cut from the whole inventory.
 """
 from __future__ import annotations
 
+import gc
 import pickle
 import time
 import tracemalloc
@@ -43,13 +44,17 @@ from megatier.checkpoint.tiers.base import TIER3, Copy
 
 
 def peak(fn: Callable):
-    """``fn()`` and the peak of Python memory it allocated (bytes)."""
+    """``fn()`` and the peak of Python memory it allocated (bytes). The collector is run before and held off
+    during the call, so the peak is the call's own, not wherever a collection happened to fall."""
+    gc.collect()
+    gc.disable()
     tracemalloc.start()
     try:
         out = fn()
         return out, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+        gc.enable()
 
 
 def _decider(items: list[bytes], job_id: str) -> tuple[Optional[Point], list[bytes], int]:
