@@ -44,7 +44,7 @@ from megatier.checkpoint.offline.state import step_ranges
 from megatier.checkpoint.storage.store import RetryPolicy, StoreError
 from megatier.checkpoint.tiers.remote import open_remote_store
 from megatier.config import CheckpointConfig, Config, ConfigError, compose_config, split_overrides
-from megatier.model.params import count_parameters
+from megatier.model.params import count_active_parameters, count_parameters
 
 _DEFAULTS = CheckpointConfig()
 
@@ -205,7 +205,12 @@ def render_plan(sp: SizePlan, cfg: Config) -> str:
     c, d, p = sp.ckpt, sp.ckpt.diff, cfg.parallel
     params = count_parameters(cfg.model, sp.vocab[0])
     millions = f"{params / 1e6:.{1 if params >= 1e6 else 2}f}"  # two figures for a model under a million
-    lines = [f"size plan: model {cfg.model.name} ({millions}M parameters, vocabulary {sp.vocab[0]} from "
+    active = count_active_parameters(cfg.model, sp.vocab[0])
+    if active != params:  # a mixture of experts: what one token passes through
+        millions += f"M parameters, {active / 1e6:.{1 if active >= 1e6 else 2}f}M active"
+    else:
+        millions += "M parameters"
+    lines = [f"size plan: model {cfg.model.name} ({millions}, vocabulary {sp.vocab[0]} from "
              f"{sp.vocab[1]}), tp={p.tp} pp={p.pp} dp={p.dp(sp.cluster.world_size)} on {sp.cluster.nodes} nodes x "
              f"{sp.cluster.procs_per_node} processes",
              f"checkpoint: job {c.job_id!r}, diff {d.compression} (top-k {d.topk_ratio}, int8 below "

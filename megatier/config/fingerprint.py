@@ -27,11 +27,19 @@ from typing import Optional
 
 import xxhash
 
-from megatier.config.schema import Config
+from megatier.config.schema import Config, MoEConfig
 
 
 def _flat(prefix: str, obj) -> dict[str, str]:
-    return {f"{prefix}.{f.name}": json.dumps(getattr(obj, f.name), sort_keys=True) for f in dataclasses.fields(obj)}
+    """Key -> JSON value of every field, a nested group's fields under its own prefix (``model.moe.top_k``)."""
+    out = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            out.update(_flat(f"{prefix}.{f.name}", value))
+        else:
+            out[f"{prefix}.{f.name}"] = json.dumps(value, sort_keys=True)
+    return out
 
 
 def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
@@ -61,7 +69,8 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
 # before a key existed has the same fingerprint as one that leaves it there, so an upgrade refuses no relaunch.
 ADDED_LATER = {"optim.warmup_fraction": None, "optim.warmup_init_lr": 0.0, "optim.decay_style": "cosine",
                "optim.wsd_decay_iters": None, "optim.wsd_decay_style": "exponential",
-               "train.rampup_batch_size": None}
+               "train.rampup_batch_size": None,
+               **{f"model.moe.{key}": value for key, value in dataclasses.asdict(MoEConfig()).items()}}
 
 
 # The LR schedule's keys, which optim.use_checkpoint_scheduler takes from the job's record.

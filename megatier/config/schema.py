@@ -21,6 +21,35 @@ def require(ok: bool, message: str) -> None:
 
 ARCHS = ("gpt2", "llama")
 RECOMPUTE = ("none", "selective", "full")
+ROUTER_NORMS = ("topk_softmax", "softmax_topk")
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts blocks in the Llama family (``model.moe.*``; megatier.model.moe): the MLP of every
+    ``layer_freq``-th layer replaced by ``num_experts`` SwiGLU experts, each token sent to its ``top_k`` (dropless:
+    no capacity, no token dropped). ``num_experts=0``: dense."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    # Each expert's SwiGLU hidden size; None: model.ffn_hidden_size.
+    moe_ffn_hidden_size: Optional[int] = None
+    # How the router weighs a token's experts: "topk_softmax" (Mixtral: softmax over the top-k logits) or
+    # "softmax_topk" (Qwen-MoE: the top-k of the softmax over all experts, renormalized to sum 1 when
+    # router_renormalize, Qwen's norm_topk_prob).
+    router_norm: str = "topk_softmax"
+    router_renormalize: bool = False
+    # The load-balancing loss (Switch/Mixtral: num_experts * sum over experts of the fraction of top-k slots it
+    # got times its mean router probability, over the MoE layers' tokens together, as transformers' Mixtral)
+    # times this is added to the loss; Mixtral's router_aux_loss_coef is 0.02 (0: not computed).
+    aux_loss_coeff: float = 0.0
+    # The router z-loss (ST-MoE: the mean squared logsumexp of the router logits) times this (0: not computed).
+    z_loss_coeff: float = 0.0
+    # A shared expert every token goes through, weighed by a sigmoid gate (Qwen2-MoE); its SwiGLU hidden size,
+    # 0: none.
+    shared_expert_hidden_size: int = 0
+    # MoE on layers 0, n, 2n, ... (Megatron's moe_layer_freq); the others keep the dense MLP.
+    layer_freq: int = 1
 
 
 @dataclass
@@ -68,6 +97,11 @@ class ModelConfig:
     # probabilities recomputed in the backward); "full" (each block keeps only its input). The dropout masks are
     # drawn again identically, so the gradients are those of "none".
     recompute: str = "none"
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    def __post_init__(self):
+        if isinstance(self.moe, dict):  # ModelConfig(**preset) with the moe group as a mapping
+            self.moe = MoEConfig(**self.moe)
 
 
 def ffn_size(m: "ModelConfig") -> int:
@@ -77,6 +111,16 @@ def ffn_size(m: "ModelConfig") -> int:
     if m.arch == "llama":
         return -(-(8 * m.hidden_size // 3) // 256) * 256
     return 4 * m.hidden_size
+
+
+def is_moe_layer(m: "ModelConfig", layer: int) -> bool:
+    """Whether global layer ``layer`` is a mixture of experts (model.moe.layer_freq)."""
+    return m.moe.num_experts > 0 and layer % m.moe.layer_freq == 0
+
+
+def expert_ffn_size(m: "ModelConfig") -> int:
+    """An expert's SwiGLU hidden size: model.moe.moe_ffn_hidden_size, else the dense MLP's."""
+    return m.moe.moe_ffn_hidden_size or ffn_size(m)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from megatier.config.schema import (
     ARCHS,
     LR_DECAY_STYLES,
     RECOMPUTE,
+    ROUTER_NORMS,
     WSD_DECAY_STYLES,
     Config,
     ConfigError,
@@ -27,6 +28,7 @@ from megatier.config.schema import (
     RecoveryConfig,
     ReliabilityConfig,
     TrainConfig,
+    expert_ffn_size,
     ffn_size,
 )
 from megatier.config.schema import require as _require
@@ -58,6 +60,33 @@ def _validate_arch(m: ModelConfig, tp: int) -> None:
                                            f"RMSNorm has model.layernorm_impl=native")
 
 
+def _validate_moe(m: ModelConfig, tp: int, pp: int) -> None:
+    e = m.moe
+    _require(e.num_experts >= 0, f"model.moe.num_experts={e.num_experts} must be >= 0 (0: a dense model)")
+    if e.num_experts == 0:
+        return
+    _require(m.arch == "llama", f"model.moe.num_experts={e.num_experts}: experts are SwiGLU MLPs of the Llama "
+                                f"block; set model.arch=llama or model.moe.num_experts=0")
+    _require(m.impl == "native", "model.moe runs on the native blocks; set model.impl=native")
+    _require(1 <= e.top_k <= e.num_experts, f"model.moe.top_k={e.top_k} must be in [1, model.moe.num_experts="
+                                            f"{e.num_experts}]")
+    _require(e.router_norm in ROUTER_NORMS, f"model.moe.router_norm={e.router_norm!r} must be one of "
+                                            f"{', '.join(ROUTER_NORMS)}")
+    _require(e.layer_freq >= 1, f"model.moe.layer_freq={e.layer_freq} must be >= 1 (1: every layer)")
+    for key in ("aux_loss_coeff", "z_loss_coeff", "shared_expert_hidden_size"):
+        _require(getattr(e, key) >= 0, f"model.moe.{key}={getattr(e, key)} must be >= 0")
+    _require(e.moe_ffn_hidden_size is None or e.moe_ffn_hidden_size > 0,
+             f"model.moe.moe_ffn_hidden_size={e.moe_ffn_hidden_size} must be positive (or unset: the dense size)")
+    for key, size in (("moe_ffn_hidden_size", expert_ffn_size(m)), ("shared_expert_hidden_size",
+                                                                   e.shared_expert_hidden_size)):
+        _require(size % tp == 0, f"parallel.tp={tp} does not divide model.moe.{key}={size} (each expert is cut "
+                                 f"across tp like the dense MLP); change it or parallel.tp")
+    router_losses = e.aux_loss_coeff > 0 or e.z_loss_coeff > 0
+    _require(pp == 1 or not router_losses, f"model.moe.aux_loss_coeff / z_loss_coeff ride on the last stage's "
+                                           f"loss, which pipeline stages (parallel.pp={pp}) do not carry yet; set "
+                                           f"parallel.pp=1 or both coefficients to 0")
+
+
 def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
     for key in ("num_layers", "hidden_size", "num_heads", "max_position_embeddings", "make_vocab_size_divisible_by"):
         value = getattr(m, key)
@@ -80,6 +109,7 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
     _require(ffn % tp == 0, f"parallel.tp={tp} does not divide the FFN size {ffn}; change model.ffn_hidden_size or "
                             "parallel.tp")
     _validate_arch(m, tp)
+    _validate_moe(m, tp, pp)
     _require(
         m.num_layers >= pp,
         f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each pipeline stage needs at least one layer",

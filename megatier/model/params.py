@@ -15,10 +15,11 @@ the description of a stage without building it, tested equal to the built one).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from megatier.config import ModelConfig
-from megatier.config.schema import ffn_size
+from megatier.config.schema import expert_ffn_size, ffn_size, is_moe_layer
 from megatier.optim.flat import ParamSpec
 from megatier.parallel.checkfree_plus import REPLICA_SOURCES, replica_parameters, replicas_of
 
@@ -93,8 +94,23 @@ def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, 
                      "mlp.proj.weight": (h, ffn), "mlp.proj.bias": (h,)}
         final = {"final_norm.weight": (h,), "final_norm.bias": (h,)}
     for i in range(cfg.num_layers):
-        shapes.update({f"layers.{i}.{key}": shape for key, shape in per_layer.items()})
+        block = {**per_layer, **moe_shapes(cfg)} if is_moe_layer(cfg, i) else per_layer
+        shapes.update({f"layers.{i}.{key}": shape for key, shape in block.items()
+                       if not (key.startswith("mlp.") and is_moe_layer(cfg, i))})
     shapes.update(final)
+    return shapes
+
+
+def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts layer's parameters in place of the MLP's (megatier.model.moe), names without the
+    "layers.<i>." prefix: the router, each expert's SwiGLU, the shared expert and its gate if any."""
+    h, f, s = cfg.hidden_size, expert_ffn_size(cfg), cfg.moe.shared_expert_hidden_size
+    shapes = {"moe.router.weight": (cfg.moe.num_experts, h)}
+    for e in range(cfg.moe.num_experts):
+        shapes.update({f"moe.experts.{e}.gate_up.weight": (2 * f, h), f"moe.experts.{e}.proj.weight": (h, f)})
+    if s:
+        shapes.update({"moe.shared.gate_up.weight": (2 * s, h), "moe.shared.proj.weight": (h, s),
+                       "moe.shared_gate.weight": (1, h)})
     return shapes
 
 
@@ -105,7 +121,16 @@ def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, 
 TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "word_replica.weight": (0, 1),
              "head_replica.weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
              "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1),
-             "attn.q.weight": (0, 1), "attn.kv.weight": (0, 2), "mlp.gate_up.weight": (0, 2)}
+             "attn.q.weight": (0, 1), "attn.kv.weight": (0, 2), "mlp.gate_up.weight": (0, 2),
+             "moe.experts.*.gate_up.weight": (0, 2), "moe.experts.*.proj.weight": (1, 1),
+             "moe.shared.gate_up.weight": (0, 2), "moe.shared.proj.weight": (1, 1)}
+
+
+def tp_split(name: str) -> tuple[int | None, int]:
+    """(dim, stride) tensor parallelism cuts parameter ``name`` by (None: replicated); every expert as the
+    others."""
+    key = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    return TP_SPLITS.get(re.sub(r"experts\.\d+\.", "experts.*.", key), (None, 1))
 
 
 def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list[ParamSpec]:
@@ -128,7 +153,7 @@ def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list
     out = []
     for name in names:
         full_shape = full[copies.get(name, name)]
-        tp_dim, stride = TP_SPLITS.get(name.split(".", 2)[-1] if name.startswith("layers.") else name, (None, 1))
+        tp_dim, stride = tp_split(name)
         shape = [padded, *full_shape[1:]] if name in VOCAB_PARAMS else list(full_shape)
         if tp_dim is not None:
             shape[tp_dim] //= spec.tp
@@ -139,3 +164,12 @@ def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list
 def count_parameters(cfg: ModelConfig, vocab_size: int) -> int:
     """Parameters of the whole (unsharded) model (GPT-2's tied head counted once)."""
     return sum(math.prod(shape) for shape in canonical_shapes(cfg, vocab_size).values())
+
+
+def count_active_parameters(cfg: ModelConfig, vocab_size: int) -> int:
+    """Parameters one token passes through: all but the experts it is not routed to (model.moe.top_k of
+    model.moe.num_experts per MoE layer); :func:`count_parameters` for a dense model."""
+    idle = cfg.moe.num_experts - cfg.moe.top_k
+    one_expert = 3 * cfg.hidden_size * expert_ffn_size(cfg)
+    moe_layers = sum(is_moe_layer(cfg, i) for i in range(cfg.num_layers))
+    return count_parameters(cfg, vocab_size) - (idle * one_expert * moe_layers if idle > 0 else 0)

@@ -35,7 +35,7 @@ def test_schema_walk():
 
 
 def test_compose_errors_are_one_line():
-    with pytest.raises(ConfigError, match=r"^Could not find 'model/nope' Available options in 'model': .*tiny$"):
+    with pytest.raises(ConfigError, match=r"^Could not find 'model/nope' Available options in 'model': .*tiny_moe$"):
         compose_config(["model=nope"])
     with pytest.raises(ConfigError, match="train.iters=abc: Value 'abc' of type 'str' could not be converted"):
         compose_config(["train.iters=abc"])

@@ -1,0 +1,49 @@
+"""model.moe: presets with the published sizes (total and active parameters), config errors that name the field
+and the fix, and a fingerprint that dense jobs written before model.moe existed still match."""
+from __future__ import annotations
+
+import pytest
+
+from megatier.config import ConfigError, validate
+from megatier.config.fingerprint import state_fingerprint
+from megatier.model.params import canonical_shapes, count_active_parameters, count_parameters
+
+
+@pytest.mark.parametrize("model,total,active", [("mixtral_8x7b", 46.70e9, 12.88e9),
+                                                ("qwen_moe_a2_7b", 14.32e9, 2.69e9)])
+def test_moe_presets_have_published_total_and_active_sizes(compose_config, model, total, active):
+    cfg = compose_config(f"model={model}")
+    validate(cfg)
+    vocab = cfg.model.vocab_size
+    assert abs(count_parameters(cfg.model, vocab) - total) / total < 0.001
+    assert abs(count_active_parameters(cfg.model, vocab) - active) / active < 0.001
+
+
+def test_tiny_moe_has_canonical_expert_names_and_layer_freq(compose_config):
+    cfg = compose_config("model=tiny_moe", "data.seq_len=64")
+    validate(cfg)
+    names = canonical_shapes(cfg.model, 257)
+    assert names["layers.1.moe.experts.3.gate_up.weight"] == (128, 64) and "layers.0.mlp.proj.weight" not in names
+    every_other = canonical_shapes(compose_config("model=tiny_moe", "model.moe.layer_freq=2").model, 257)
+    assert "layers.0.moe.router.weight" in every_other and "layers.1.mlp.gate_up.weight" in every_other
+
+
+@pytest.mark.parametrize("overrides,named", [
+    (("model.moe.top_k=5",), "model.moe.top_k=5"),
+    (("model.moe.router_norm=sigmoid",), "model.moe.router_norm='sigmoid'"),
+    (("model.moe.moe_ffn_hidden_size=63", "parallel.tp=2"), "model.moe.moe_ffn_hidden_size=63"),
+    (("model.moe.layer_freq=0",), "model.moe.layer_freq=0"),
+    (("model.arch=gpt2", "model.num_query_groups=null"), "model.arch=llama"),
+    (("parallel.pp=2",), "parallel.pp=1"),
+])
+def test_moe_errors_name_the_field_and_the_fix(compose_config, overrides, named):
+    cfg = compose_config("model=tiny_moe", *overrides)
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")) as err:
+        validate(cfg, world_size=cfg.parallel.tp * cfg.parallel.pp)
+    assert "\n" not in str(err.value)
+
+
+def test_dense_fingerprint_has_no_moe_keys_and_an_moe_one_has_them(compose_config):
+    assert not [k for k in state_fingerprint(compose_config("model=llama_tiny"), "") if ".moe." in k]
+    moe = state_fingerprint(compose_config("model=tiny_moe"), "")
+    assert moe["model.moe.num_experts"] == "4" and moe["model.moe.aux_loss_coeff"] == "0.02"
