@@ -6,11 +6,11 @@ the same bytes for the same Python version.
 """
 from __future__ import annotations
 
-import json
 import os
 import sysconfig
 from typing import Iterator, Optional
 
+from megatier.data import document_sources
 from megatier.data.indexed import IndexedDatasetWriter, read_index
 from megatier.data.tokenizer import BPETokenizer, ByteTokenizer, load_tokenizer, train_bpe
 
@@ -38,24 +38,9 @@ def stdlib_files(max_bytes: int) -> list[str]:
 
 
 def iter_documents(paths: list[str], json_key: str = "text") -> Iterator[str]:
-    """Documents from text files (one per file) and JSONL files (one per line, field ``json_key``)."""
-    for path in paths:
-        if path.endswith((".jsonl", ".json")):
-            with open(path, encoding="utf-8") as f:
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); expected one object per "
-                                         f"line") from e
-                    if json_key not in record:
-                        raise ValueError(f"{path}:{lineno}: no field {json_key!r}; choose the field with --json-key")
-                    yield str(record[json_key])
-        else:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                yield f.read()
+    """Documents from text files (one per file), JSON lines (one per line, field ``json_key``) and parquet files
+    (one per row): :func:`megatier.data.document_sources.iter_documents`."""
+    return document_sources.iter_documents(paths, json_key)
 
 
 def build_dataset(paths: list[str], output_prefix: str, *, tokenizer: str = "byte", bpe_vocab_size: int = 4096,

@@ -59,6 +59,12 @@ class IndexedDatasetWriter:
         self._hash.update(data)
         self._offsets.append(self._offsets[-1] + len(data) // np.dtype(self.dtype).itemsize)
 
+    def abort(self) -> None:
+        """Drop the partial .bin (a failed build leaves nothing under the corpus's names)."""
+        self._bin.close()
+        if os.path.exists(self.prefix + ".bin" + self._tmp):
+            os.remove(self.prefix + ".bin" + self._tmp)
+
     def close(self) -> None:
         self._bin.close()
         self.metadata["bin_xxh64"] = self._hash.hexdigest()

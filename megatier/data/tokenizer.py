@@ -91,10 +91,14 @@ def train_bpe(texts: Iterator[str], vocab_size: int, path: str) -> BPETokenizer:
     return BPETokenizer(path)
 
 
-def load_tokenizer(spec: dict) -> ByteTokenizer | BPETokenizer:
+def load_tokenizer(spec: dict) -> Tokenizer:
     kind = spec.get("type")
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
         return BPETokenizer(spec["path"])
-    raise ValueError(f"unknown tokenizer type {kind!r} in dataset index; expected byte or bpe")
+    if kind == "hf":
+        from megatier.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(spec["path"], spec.get("eod_token"))
+    raise ValueError(f"unknown tokenizer type {kind!r} in dataset index; expected byte, bpe or hf")
