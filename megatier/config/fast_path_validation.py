@@ -7,7 +7,10 @@ layers and shapes its GEMMs accept. The defaults (native everywhere, no fp8) nee
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
+
+import torch
 
 from megatier import fastpaths
 from megatier.config.schema import Config, ffn_size
@@ -74,3 +77,12 @@ def check_fast_path_config(cfg: Config, tp: int) -> None:
         _require_cuda("optim.grad_norm_impl=apex", t.device)
         missing = fastpaths.apex_grad_norm_missing()
         _require(missing is None, f"optim.grad_norm_impl=apex needs NVIDIA apex: {missing}")
+
+
+def pick_device(name: str) -> torch.device:
+    """train.device's device for this process (cuda: the LOCAL_RANK-th GPU); ConfigError when CUDA is asked for and
+    missing."""
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        _require(torch.cuda.is_available(), "train.device=cuda but CUDA is not available; use train.device=cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")

@@ -210,6 +210,9 @@ class DataConfig:
     test_blend: Optional[list[Any]] = None
     # Megatron's --mid-level-dataset-surplus: spare samples each corpus of a weighted blend is built with.
     mid_level_dataset_surplus: float = 0.005
+    # Read the next step's micro-batches on a background thread while the step runs (megatier.data.prefetch); the
+    # samples are the same either way. false: read them in the loop (data_wait_ms then shows the whole read).
+    prefetch: bool = True
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
     loss.png             loss and val_loss against step; each failure (the last step reached before it) and
                          each resumption (the step E recovery restored) marked
-    step_time.png        step time (iter_time_s) and checkpoint stall (ckpt_stall_ms) per step
+    step_time.png        step time (iter_time_s), checkpoint stall (ckpt_stall_ms) and data wait (data_wait_ms)
+                         per step
     recovery_points.png  rpo_software / rpo_node / rpo_rack against the current step
     goodput.png          goodput per step and the final breakdown into goodput_<part>_s
     tier_bytes.png       bytes written per step (diff_bytes, base_bytes) and held (every other *_bytes key)
@@ -100,15 +101,19 @@ def loss_figure(history: RunHistory) -> Figure:
 
 
 def step_time_figure(history: RunHistory) -> Figure:
-    """Step time (iter_time_s) and the checkpoint stall the loop paid (ckpt_stall_ms) per step."""
+    """Step time (iter_time_s), and the checkpoint stall (ckpt_stall_ms) and the wait for data (data_wait_ms)
+    the loop paid, per step."""
     fig, (top, bottom) = _figure(2)
     if not _lines(top, history, "iter_time_s", "step time (iter_time_s, in ms)", scale=1000.0, color="tab:blue",
                   lw=0.8):
         raise NothingToPlot("no iter_time_s in the step records")
-    top.set(ylabel="step time (ms)", title="step time and checkpoint stall")
-    if not _lines(bottom, history, "ckpt_stall_ms", "ckpt_stall_ms", color="tab:purple", lw=0.8):
-        bottom.text(0.5, 0.5, "no ckpt_stall_ms: checkpointing was off", transform=bottom.transAxes, ha="center")
-    bottom.set(xlabel="step", ylabel="checkpoint stall (ms)")
+    top.set(ylabel="step time (ms)", title="step time, checkpoint stall and data wait")
+    stall = _lines(bottom, history, "ckpt_stall_ms", "ckpt_stall_ms", color="tab:purple", lw=0.8)
+    wait = _lines(bottom, history, "data_wait_ms", "data_wait_ms", color="tab:green", lw=0.8)
+    if not (stall or wait):
+        bottom.text(0.5, 0.5, "no ckpt_stall_ms (checkpointing was off) and no data_wait_ms",
+                    transform=bottom.transAxes, ha="center")
+    bottom.set(xlabel="step", ylabel="stall and wait (ms)")
     for ax in (top, bottom):
         mark_recoveries(ax, history)
         _legend(ax, "upper right")

@@ -100,7 +100,7 @@ class InPlaceRecovery:
 
     def _leave_world(self, failure: str) -> None:
         """Detach the model and optimizer from the failed world's groups, tear them down and stop the
-        checkpointer's threads without a collective."""
+        checkpointer's and the loader's threads without a collective."""
         if self.ps.rank == 0:
             log.warning("step %d: a peer failed (%s); recovering in place (recovery.mode=inprocess)", self.step + 1,
                         failure)
@@ -112,6 +112,8 @@ class InPlaceRecovery:
         dist.destroy_process_group()
         if self.checkpointer is not None:
             self.checkpointer.abort(timeout=min(10.0, self.cfg.parallel.timeout_s))
+        if self.batches is not None:  # the read ahead guessed at a step the restore may not go on from
+            self.batches.close()
         self.checkpointer = self.ps = None  # the last references: the old groups close, blocked peers fail now
         gc.collect()
 

@@ -33,7 +33,9 @@ from megatier.checkpoint.checkpointer import Checkpointer, CheckpointerFactory, 
 from megatier.checkpoint.policy.rules import check_checkpoint_config, effective_checkpoint_config
 from megatier.checkpoint.recover.record import say_recovered
 from megatier.config import Config, ConfigError, validate
+from megatier.config.fast_path_validation import pick_device
 from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_fingerprint
+from megatier.data.prefetch import PrefetchingBatches
 from megatier.data.source import DataError, build_training_data
 from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, gradient_nan, parameter_flip
 from megatier.interop.huggingface import load_hf
@@ -66,14 +68,6 @@ log = logging.getLogger(__name__)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
-def _pick_device(name: str) -> torch.device:
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError("train.device=cuda but CUDA is not available; use train.device=cpu")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 class Trainer(InPlaceRecovery):
     def __init__(self, cfg: Config, checkpointer: Optional[CheckpointerFactory] = None,
                  stop: Optional[StopRequest] = None, membership: Optional[Membership] = None):
@@ -85,7 +79,7 @@ class Trainer(InPlaceRecovery):
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         validate(cfg, world_size)  # before any side effect: every group but checkpoint, then its own rules
         check_checkpoint_config(cfg.checkpoint)
-        self.device = _pick_device(cfg.train.device)
+        self.device = pick_device(cfg.train.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         # In-process recovery's membership (megatier.training.inprocess); None: a failure ends the launch.
@@ -156,7 +150,8 @@ class Trainer(InPlaceRecovery):
         except DataError as e:  # the data the config names cannot give what the job asks: the config's to fix
             raise ConfigError(str(e)) from None
         self.data_prefix, self.data_checksum, self.dataset_meta = data.prefix, data.checksum, data.metadata
-        self.batches = data.batches
+        self.batches = PrefetchingBatches(data.batches, self.device, enabled=self.cfg.data.prefetch,
+                                          last_step=self.cfg.train.iters)
 
     def _build_model(self) -> None:
         m, ps = self.cfg.model, self.ps
@@ -287,7 +282,8 @@ class Trainer(InPlaceRecovery):
         tokens = self.batches.ramp.batch(step) * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed,
-                  "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped}
+                  "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped,
+                  "data_wait_ms": self.batches.take_wait_ms()}
         if stop:
             record["stop_requested"] = stop
         if why is not None:
@@ -426,6 +422,7 @@ class Trainer(InPlaceRecovery):
         summary.update(self.goodput.close(drain_s))
         self.logger.summary(summary)
         self.logger.close()
+        self.batches.close()
         self.grads.remove_hooks()
         if dist.is_initialized():
             dist.barrier(group=self.ps.checkpoint_group)
