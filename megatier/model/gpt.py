@@ -28,10 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatier.config import ModelConfig
-from megatier.config.schema import ffn_size
+from megatier.config.schema import ffn_size, is_moe_layer
 from megatier.model import te_layers
 from megatier.model.fused import fused_layer_norm
 from megatier.model.llama import LlamaBlock, RMSNorm, rotary_tables
+from megatier.model.moe import moe_layers, router_losses
 from megatier.model.params import VOCAB_PARAMS, StageSpec, copies_of, padded_vocab_size
 from megatier.model.recompute import recomputed
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
@@ -116,14 +117,15 @@ class Block(nn.Module):
 
 
 def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout",
-           sequence_parallel: bool) -> nn.Module:
-    """A transformer block of ``model.arch`` and ``model.impl``: native, or on Transformer Engine's layers with
-    the same parameter names (``te_layers.TEBlock``)."""
+           sequence_parallel: bool, layer: int) -> nn.Module:
+    """Global layer ``layer``'s transformer block of ``model.arch`` and ``model.impl``: native, or on Transformer
+    Engine's layers with the same parameter names (``te_layers.TEBlock``); llama's a mixture of experts where
+    model.moe puts one."""
     if cfg.impl == "te":
         te_block = te_layers.TELlamaBlock if cfg.arch == "llama" else te_layers.TEBlock
         return te_block(cfg, group, hidden_dropout)
     if cfg.arch == "llama":
-        return LlamaBlock(cfg, group, hidden_dropout, sequence_parallel)
+        return LlamaBlock(cfg, group, hidden_dropout, sequence_parallel, moe=is_moe_layer(cfg, layer))
     return Block(cfg, group, hidden_dropout, sequence_parallel)
 
 
@@ -186,7 +188,7 @@ class GPTStage(nn.Module):
             if cfg.arch == "gpt2":
                 self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
                 mark_partition(self.pos.weight, None)
-        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout, sp) for i in spec.layers})
+        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout, sp, i) for i in spec.layers})
         if spec.is_last:
             self.final_norm = _layer_norm(cfg, sp)
             if not (spec.is_first and self.tied):
@@ -232,12 +234,26 @@ class GPTStage(nn.Module):
         (b, s/tp, h): this rank's tokens).
 
         Returns hidden states on non-last stages (as they came); on the last stage the per-token loss (b, s)
-        when labels are given, else vocab-parallel logits (b, s, padded / tp) with -inf in the padded columns.
+        when labels are given (in training plus model.moe's router losses), else vocab-parallel logits
+        (b, s, padded / tp) with -inf in the padded columns.
         """
         if self.spec.is_first:
             x = self.embed(x)
         x = self.run_layers(x)
-        return self.head(x, labels) if self.spec.is_last else x
+        if not self.spec.is_last:
+            return x
+        out = self.head(x, labels)
+        return out if labels is None or not self.training else out + self.router_loss()
+
+    def router_loss(self) -> torch.Tensor | float:
+        """model.moe's load-balancing and z-losses of this forward's MoE layers, times their coefficients (0 for
+        a dense stage); a scalar the per-token loss takes on, so the objective is their sum as in transformers'
+        Mixtral."""
+        layers = moe_layers(self.layers)
+        if not layers:
+            return 0.0
+        aux, z = router_losses(layers, self.cfg, self.tp_group, self.sequence_parallel)
+        return self.cfg.moe.aux_loss_coeff * aux + self.cfg.moe.z_loss_coeff * z
 
     # The three parts of a stage, for schedules that route a micro-batch through them separately (CheckFree+'s
     # swapped order, megatier.parallel.route_schedule).

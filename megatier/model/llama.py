@@ -13,6 +13,8 @@ Parameters, with the Hugging Face tensors they hold (:mod:`megatier.interop.llam
     mlp.gate_up.weight  gate_proj.weight and up_proj.weight, stacked column-parallel, stride 2
     mlp.proj.weight     mlp.down_proj.weight                        row-parallel
 
+A mixture-of-experts layer (``model.moe``; megatier.model.moe) has ``moe.*`` in place of ``mlp.*``.
+
 Grouped-query attention: tp must divide the key/value heads (``num_query_groups``), so every rank holds whole
 groups and the query heads that read them.
 """
@@ -25,6 +27,7 @@ from torch import nn
 
 from megatier.config import ModelConfig
 from megatier.config.schema import ffn_size
+from megatier.model.moe import MoELayer
 from megatier.model.recompute import recomputed
 from megatier.parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_partition
 
@@ -135,15 +138,21 @@ class SwiGLU(nn.Module):
 
 
 class LlamaBlock(nn.Module):
+    """Attention, then the SwiGLU MLP (``mlp``) or, with ``moe``, a mixture of experts (``moe``)."""
+
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: nn.Module,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, moe: bool = False):
         super().__init__()
         self.ln1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)
         self.attn = LlamaAttention(cfg, group, sequence_parallel)
         self.ln2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)
-        self.mlp = SwiGLU(cfg, group, sequence_parallel)
+        if moe:
+            self.moe = MoELayer(cfg, group, sequence_parallel)
+        else:
+            self.mlp = SwiGLU(cfg, group, sequence_parallel)
         self.hidden_dropout = hidden_dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.hidden_dropout(self.attn(self.ln1(x), cos, sin))
-        return x + self.hidden_dropout(self.mlp(self.ln2(x)))
+        ffn = self.moe if hasattr(self, "moe") else self.mlp
+        return x + self.hidden_dropout(ffn(self.ln2(x)))

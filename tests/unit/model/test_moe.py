@@ -1,0 +1,127 @@
+"""model.moe against transformers' MixtralForCausalLM on the same weights (tp=1; tp=2 with sequence parallelism in
+tests/distributed/model/test_moe_tp.py): logits, the load-balancing loss in the objective, the Mixtral round
+trip and its refusals; dropless routing, the z-loss and the shared expert."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatier.config import ModelConfig
+from megatier.config.schema import MoEConfig
+from megatier.interop.hf_files import HFFormatError
+from megatier.interop.huggingface import export_hf, load_hf
+from megatier.model.gpt import GPTStage, init_weights, load_full_state
+from megatier.model.moe import moe_layers, router_losses
+from megatier.model.params import StageSpec, canonical_shapes, stage_parameters
+from tests.hf_mixtral import save_random_mixtral
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 259
+CFG = ModelConfig(name="moe_t", arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_query_groups=2,
+                  ffn_hidden_size=96, max_position_embeddings=64, rope_theta=5000.0, norm_eps=1e-6,
+                  moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=48, aux_loss_coeff=0.02))
+
+
+def _stage(process_group, cfg: ModelConfig = CFG) -> GPTStage:
+    return GPTStage(cfg, VOCAB, StageSpec(range(cfg.num_layers), True, True), tp_group=process_group.tp_group,
+                    dropout_generator=torch.Generator())
+
+
+def _tokens(b: int = 3, s: int = 48, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(seed))
+
+
+def test_logits_equal_hugging_face_mixtral(process_group, tmp_path):
+    theirs = save_random_mixtral(str(tmp_path / "hf"), CFG, VOCAB)
+    ours = _stage(process_group)
+    load_full_state(ours, load_hf(str(tmp_path / "hf"), CFG, VOCAB))
+    tokens = _tokens()
+    with torch.no_grad():
+        diff = (ours.eval()(tokens)[..., :VOCAB] - theirs(tokens).logits).abs().max()
+    print(f"max logit difference {diff:.2e}")
+    assert diff <= 1e-4, diff
+
+
+def test_training_loss_is_cross_entropy_plus_mixtral_aux_loss(process_group, tmp_path):
+    theirs = save_random_mixtral(str(tmp_path / "hf"), CFG, VOCAB).train()
+    ours = _stage(process_group).train()
+    load_full_state(ours, load_hf(str(tmp_path / "hf"), CFG, VOCAB))
+    tokens, labels = _tokens(), _tokens(seed=2)
+    out = theirs(tokens, output_router_logits=True)
+    want = F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) + CFG.moe.aux_loss_coeff * out.aux_loss
+    got = ours(tokens, labels).mean().detach()
+    got, want = got.item(), want.item()
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    aux, _ = router_losses(moe_layers(ours.layers), CFG, process_group.tp_group, False)
+    assert abs(aux.item() - out.aux_loss.item()) <= 1e-6, (aux.item(), out.aux_loss.item())
+
+
+def test_dropless_every_slot_reaches_an_expert_and_every_expert_gets_a_gradient(process_group):
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(num_experts=8, top_k=2, moe_ffn_hidden_size=48)})
+    model = _stage(process_group, cfg).train()
+    init_weights(model, seed=3)
+    tokens = _tokens(b=1, s=4)  # 8 slots over 8 experts: some get none
+    model(tokens, _tokens(b=1, s=4, seed=2)).mean().backward()
+    stats = [layer.route_stats for layer in moe_layers(model.layers)]
+    assert all(int(st.slots_per_expert.sum()) == 4 * 2 for st in stats)
+    assert any(int(st.slots_per_expert.min()) == 0 for st in stats)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_z_loss_is_the_mean_squared_logsumexp_of_the_router_logits(process_group):
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=48,
+                                                          z_loss_coeff=1e-3)})
+    model = _stage(process_group, cfg).train()
+    init_weights(model, seed=4)
+    tokens = _tokens(b=2, s=16)
+    captured = []
+    for layer in moe_layers(model.layers):
+        layer.router.register_forward_hook(lambda m, args, out: captured.append(F.linear(args[0], m.weight)))
+    model(tokens, _tokens(b=2, s=16, seed=2))
+    _, z = router_losses(moe_layers(model.layers), cfg, process_group.tp_group, False)
+    want = torch.cat(captured).logsumexp(-1).square().mean()
+    assert torch.allclose(z, want, rtol=1e-6), (z, want)
+
+
+def test_shared_expert_and_layer_freq_build_their_canonical_parameters(process_group):
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=48,
+                                                          shared_expert_hidden_size=32, layer_freq=2,
+                                                          router_norm="softmax_topk")})
+    model = _stage(process_group, cfg)
+    spec = StageSpec(range(cfg.num_layers), True, True)
+    described = [(p.name, p.shape) for p in stage_parameters(cfg, VOCAB, spec)]
+    assert described == [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert "layers.0.moe.shared_gate.weight" in dict(described) and "layers.1.mlp.proj.weight" in dict(described)
+    init_weights(model, seed=5)
+    assert model(_tokens(b=2, s=16)).shape == (2, 16, 384)
+
+
+def test_export_then_import_is_bitwise_and_loads_in_transformers(tmp_path):
+    gen = torch.Generator().manual_seed(3)
+    state = {name: torch.randn(shape, generator=gen) for name, shape in canonical_shapes(CFG, VOCAB).items()}
+    export_hf(state, CFG, str(tmp_path / "out"), tokenizer={"type": "byte"})
+    again = load_hf(str(tmp_path / "out"), CFG, VOCAB)
+    assert again.keys() == state.keys() and all(torch.equal(again[k], state[k]) for k in state)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["num_local_experts"] == 4
+    model = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out")
+    assert torch.equal(model.model.layers[1].mlp.gate.weight, state["layers.1.moe.router.weight"])
+
+
+@pytest.mark.parametrize("override,named", [
+    ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ({"sliding_window": 16}, "sliding_window"),
+    ({"num_local_experts": 8}, "model.moe.num_experts=8"),
+])
+def test_a_mixtral_megatier_cannot_represent_is_refused_naming_the_key(tmp_path, override, named):
+    save_random_mixtral(str(tmp_path / "hf"), CFG, VOCAB)
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **override}))
+    with pytest.raises(HFFormatError, match=named) as err:
+        load_hf(str(tmp_path / "hf"), CFG, VOCAB)
+    assert "\n" not in str(err.value)
