@@ -162,7 +162,7 @@ def load_hf_dataset(source: HFDatasetSource):
             saved = datasets.load_from_disk(source.name)
             return saved[source.split] if isinstance(saved, datasets.DatasetDict) else saved
         return datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
-    except (FileNotFoundError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:
+    except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:  # OSError: offline
         raise SourceError(f"cannot open the Hugging Face dataset {source.name} (split {source.split}): "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; check --hf-dataset, "
                           f"--hf-split and --hf-config") from e
