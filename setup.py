@@ -61,11 +61,16 @@ EXTRAS = {
         "megatron-core>=0.16,<0.17",
         # logging.tensorboard=true (imported only then); the tests read its event files back
         "tensorboard>=2.14",
+        # megatier-preprocess's parquet, Hugging Face dataset and .zst inputs (the "data" extra), tested
+        "datasets>=2.14",
+        "zstandard>=0.21",
     ],
     # Transformer Engine's PyTorch layers (model.impl=te, train.precision=fp8); build it against the CUDA torch
     # already installed (--no-build-isolation). NVIDIA apex is not on PyPI (the package named apex there is
     # unrelated): docs/configuration.md, "GPU fast paths", builds it from NVIDIA's source.
     "gpu": ["transformer-engine[pytorch]"],
+    # megatier-preprocess: parquet and Hugging Face datasets (datasets brings pyarrow), .zst JSON lines
+    "data": ["datasets>=2.14", "zstandard>=0.21"],
     # logging.tensorboard=true: TensorBoard beside W&B (torch.utils.tensorboard writes, this package encodes)
     "tensorboard": ["tensorboard>=2.14"],
 }
