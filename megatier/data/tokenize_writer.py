@@ -69,16 +69,17 @@ def tokenizer_for(spec_json: str) -> Tokenizer:
 
 
 def encode_chunk(settings: EncodeSettings, texts: list[str]) -> EncodedChunk:
+    """The chunk's documents as one array of tokens in the output dtype (compact to send back) and their lengths."""
     tokenizer = tokenizer_for(settings.tokenizer_spec)
-    documents = []
+    arrays = []
     for text in texts:
         ids = tokenizer.encode(text)
         if settings.eod_id is not None and (ids or settings.eod_on_empty):
             ids.append(settings.eod_id)
-        documents.append(ids)
-    lengths = np.fromiter((len(d) for d in documents), dtype=np.int64, count=len(documents))
-    flat = [i for d in documents for i in d]
-    return EncodedChunk(np.asarray(flat, dtype=settings.dtype) if flat else np.zeros(0, settings.dtype), lengths)
+        arrays.append(np.asarray(ids, dtype=settings.dtype))
+    lengths = np.fromiter((len(a) for a in arrays), dtype=np.int64, count=len(arrays))
+    tokens = np.concatenate(arrays) if arrays else np.zeros(0, settings.dtype)
+    return EncodedChunk(tokens.astype(settings.dtype, copy=False), lengths)
 
 
 class MegaTierSink:
