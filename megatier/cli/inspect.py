@@ -5,6 +5,7 @@ they will hold.
     megatier-inspect --job-id run42 --local-root /dev/shm/megatier \\
         --remote-url s3://bucket/runs --endpoint-url http://127.0.0.1:9000
     megatier-inspect --plan --nodes 2 --procs-per-node 4 -- model=gpt2_124m parallel.tp=2 parallel.pp=2
+    megatier-inspect data --samples 0:8 -- <overrides>    # what the model will see (megatier.cli.inspect_data)
 
 Tier-1/Tier-2: one row per payload in every node directory under
 ``<local-root>/<job-id>/`` (own payloads and the replicas a node holds for its
@@ -43,6 +44,7 @@ from megatier.checkpoint.offline.plan import (
 from megatier.checkpoint.offline.state import step_ranges
 from megatier.checkpoint.storage.store import RetryPolicy, StoreError
 from megatier.checkpoint.tiers.remote import open_remote_store
+from megatier.cli import inspect_data
 from megatier.config import CheckpointConfig, Config, ConfigError, compose_config, split_overrides
 from megatier.model.params import count_active_parameters, count_parameters
 
@@ -88,7 +90,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["data"]:  # what the model will see (megatier.cli.inspect_data)
+        return inspect_data.main(argv[1:])
+    args = parse_args(argv)
     if args.plan:
         return plan_main(args)
     rows: list[Row] = []
