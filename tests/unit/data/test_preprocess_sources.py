@@ -146,3 +146,19 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case, expected):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and expected in err and err.count("\n") == 1, err
     assert not (tmp_path / "out.idx").exists() and not (tmp_path / "out.bin").exists()
+
+
+def test_a_missing_reader_names_the_extra_to_install(tmp_path, capsys, monkeypatch):
+    (tmp_path / "d.jsonl.zst").write_bytes(b"")
+    monkeypatch.setitem(__import__("sys").modules, "zstandard", None)  # as if not installed
+    assert preprocess(["--input", str(tmp_path / "d.jsonl.zst"), "--output-prefix", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "'zstandard'" in err and "pip install 'megatier[data]'" in err and err.count("\n") == 1
+
+
+def test_the_progress_bar_shows_documents_and_tokens_per_second(tmp_path, capsys):
+    source = write_jsonl(tmp_path / "d.jsonl", TEXTS)
+    assert preprocess(["--input", source, "--output-prefix", str(tmp_path / "out"), "--progress"]) == 0
+    captured = capsys.readouterr()
+    assert "docs" in captured.err and "tokens/s" in captured.err
+    assert f"{len(TEXTS):,} documents" in captured.out and "tokens/s, 1 worker(s)" in captured.out
