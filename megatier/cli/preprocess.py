@@ -41,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                         "folder (data files, or written by save_to_disk)")
     p.add_argument("--hf-split", default="train", help="the split of --hf-dataset")
     p.add_argument("--hf-config", help="the configuration (subset) of --hf-dataset")
+    p.add_argument("--hf-streaming", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream --hf-dataset (default); --no-hf-streaming reads a dataset prepared in the cache "
+                        "(downloading and preparing it first if it is not there)")
     p.add_argument("--output-prefix", required=True, help="writes <prefix>.bin and <prefix>.idx")
     p.add_argument("--output-format", choices=FORMATS, default="megatron",
                    help="megatron: Megatron-LM's indexed format (MMIDIDX); megatier: MegaTier's MTIDX001, which "
@@ -67,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def request_of(args: argparse.Namespace) -> PreprocessRequest:
-    hf = HFDatasetSource(args.hf_dataset, args.hf_split, args.hf_config) if args.hf_dataset else None
+    hf = HFDatasetSource(args.hf_dataset, args.hf_split, args.hf_config,
+                                                     args.hf_streaming) if args.hf_dataset else None
     inputs = args.input
     if not inputs and not hf:
         inputs = stdlib_files(int(args.default_corpus_mib * 2**20))

@@ -39,6 +39,7 @@ class HFDatasetSource:
     name: str
     split: str = "train"
     config: Optional[str] = None
+    streaming: bool = True
 
 
 def input_kind(path: str) -> str:
@@ -134,25 +135,36 @@ def iter_parquet(path: str, json_key: str) -> Iterator[str]:
     if json_key not in columns:
         raise SourceError(f"{path}: no column {json_key!r} (columns: {', '.join(columns[:8])}); choose the column "
                           f"with --json-key")
+    row = 0
     for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[json_key]):
-        for row, value in enumerate(batch.column(0).to_pylist()):
+        for value in batch.column(0).to_pylist():
             yield record_text({json_key: value}, json_key, f"{path}: row {row}")
+            row += 1
 
 
 def iter_hf_dataset(source: HFDatasetSource, json_key: str) -> Iterator[str]:
-    """Column ``json_key`` of a Hugging Face dataset's split, streamed (a saved dataset is memory-mapped)."""
+    """Column ``json_key`` of a Hugging Face dataset's split, a batch of rows at a time, that column only."""
     dataset = load_hf_dataset(source)
     columns = dataset.column_names
-    if columns is not None and json_key not in columns:
-        raise SourceError(f"dataset {source.name} ({source.split}): no column {json_key!r} (columns: "
-                          f"{', '.join(columns[:8])}); choose the column with --json-key")
-    for row, record in enumerate(dataset):
-        yield record_text(record, json_key, f"dataset {source.name} ({source.split}) row {row}")
+    if columns is not None:
+        if json_key not in columns:
+            raise SourceError(f"dataset {source.name} ({source.split}): no column {json_key!r} (columns: "
+                              f"{', '.join(columns[:8])}); choose the column with --json-key")
+        dataset = dataset.select_columns([json_key])
+    row = 0
+    for batch in dataset.iter(batch_size=PARQUET_BATCH_ROWS):
+        if json_key not in batch:
+            raise SourceError(f"dataset {source.name} ({source.split}) row {row}: no column {json_key!r}; choose "
+                              f"the column with --json-key")
+        for value in batch[json_key]:
+            yield record_text({json_key: value}, json_key, f"dataset {source.name} ({source.split}) row {row}")
+            row += 1
 
 
 def load_hf_dataset(source: HFDatasetSource):
-    """The split as an iterable dataset: ``load_from_disk`` for a saved folder, else ``load_dataset`` streamed
-    (a local folder of data files, or a name, found in the cache first)."""
+    """The split: ``load_from_disk`` for a saved folder, else ``load_dataset`` (a local folder of data files, or
+    a name, found in the cache first), streamed unless ``source.streaming`` is off (then read memory-mapped from
+    the cache, where an offline machine keeps a prepared dataset)."""
     try:
         import datasets
     except ImportError as e:
@@ -161,7 +173,7 @@ def load_hf_dataset(source: HFDatasetSource):
         if is_saved_dataset(source.name):
             saved = datasets.load_from_disk(source.name)
             return saved[source.split] if isinstance(saved, datasets.DatasetDict) else saved
-        return datasets.load_dataset(source.name, source.config, split=source.split, streaming=True)
+        return datasets.load_dataset(source.name, source.config, split=source.split, streaming=source.streaming)
     except (OSError, ValueError, KeyError, datasets.exceptions.DatasetNotFoundError) as e:  # OSError: offline
         raise SourceError(f"cannot open the Hugging Face dataset {source.name} (split {source.split}): "
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}; check --hf-dataset, "

@@ -21,6 +21,9 @@ def _offline(tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATIER_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")  # read when loading
 
 
 def trained_bpe(directory, special: list[str]):
@@ -101,12 +104,13 @@ def test_a_saved_hugging_face_dataset_gives_the_jsonl_corpus(tmp_path):
     assert same_files(from_hf, from_jsonl)
 
 
-def test_a_folder_of_data_files_is_streamed_through_load_dataset(tmp_path):
+@pytest.mark.parametrize("streaming", ["--hf-streaming", "--no-hf-streaming"])
+def test_a_folder_of_data_files_is_read_through_load_dataset(tmp_path, streaming):
     folder = tmp_path / "folder"
     folder.mkdir()
     write_jsonl(folder / "train.jsonl", TEXTS)
     out, reference = str(tmp_path / "out"), str(tmp_path / "reference")
-    assert preprocess(["--hf-dataset", str(folder), "--hf-split", "train", "--output-prefix", out]) == 0
+    assert preprocess(["--hf-dataset", str(folder), "--hf-split", "train", streaming, "--output-prefix", out]) == 0
     megatron_reference(reference, TEXTS, ByteTokenizer(), np.uint16)
     assert same_files(out, reference)
     assert MegatronIndexedDataset(out).num_documents == len(TEXTS)
