@@ -32,7 +32,7 @@ from megatier.config.schema import ffn_size, is_moe_layer
 from megatier.model import te_layers
 from megatier.model.fused import fused_layer_norm
 from megatier.model.llama import LlamaBlock, RMSNorm, rotary_tables
-from megatier.model.moe import moe_layers, router_losses
+from megatier.model.moe import RouterMetrics, moe_layers, router_losses
 from megatier.model.params import VOCAB_PARAMS, StageSpec, copies_of, padded_vocab_size
 from megatier.model.recompute import recomputed
 from megatier.parallel.cross_entropy import mask_padded_vocab, vocab_parallel_cross_entropy
@@ -196,6 +196,7 @@ class GPTStage(nn.Module):
                 self.head_weight = mark_partition(nn.Parameter(torch.empty(rows, cfg.hidden_size)), 0)
         for kind in spec.replicas:  # CheckFree+'s copies of an end stage's parameters, not used in forward
             self.add_module(f"{kind}_replica", self._replica(kind))
+        self.router_metrics = RouterMetrics()
         self._record_full_shapes()
 
     def _replica(self, kind: str) -> nn.Module:
@@ -252,8 +253,13 @@ class GPTStage(nn.Module):
         layers = moe_layers(self.layers)
         if not layers:
             return 0.0
-        aux, z = router_losses(layers, self.cfg, self.tp_group, self.sequence_parallel)
+        aux, z = router_losses(layers, self.cfg, self.tp_group, self.sequence_parallel, self.router_metrics)
         return self.cfg.moe.aux_loss_coeff * aux + self.cfg.moe.z_loss_coeff * z
+
+    def step_metrics(self) -> dict[str, float]:
+        """The step record's router figures since the last call (megatier.model.moe.RouterMetrics; a last stage
+        with MoE layers), else {}."""
+        return self.router_metrics.take()
 
     # The three parts of a stage, for schedules that route a micro-batch through them separately (CheckFree+'s
     # swapped order, megatier.parallel.route_schedule).

@@ -165,21 +165,46 @@ def _over_tp(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool)
     return reduce_from_region(x, group) if sequence_parallel else x
 
 
-def router_losses(layers: list[MoELayer], cfg: ModelConfig, group: dist.ProcessGroup,
-                  sequence_parallel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux, z) of the last forward of ``layers`` (see the module docstring), each a scalar; zeros without
-    layers. The same on every tp rank."""
+def router_losses(layers: list[MoELayer], cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool,
+                  metrics: RouterMetrics | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, z) of the last forward of ``layers`` (see the module docstring), each a scalar, the same on every tp
+    rank; added to ``metrics`` if given."""
     stats = [layer.route_stats for layer in layers]
-    if not stats:
-        zero = torch.zeros(())
-        return zero, zero
     tp = dist.get_world_size(group) if sequence_parallel else 1
-    rows = sum(st.tokens for st in stats) * tp
-    slots = _over_tp(torch.stack([st.slots_per_expert for st in stats]).sum(0), group, sequence_parallel)
+    rows = stats[0].tokens * tp * len(stats)
+    slots = _over_tp(torch.stack([st.slots_per_expert for st in stats]), group, sequence_parallel)  # (layers, E)
     prob_sum = _over_tp(torch.stack([st.prob_sum for st in stats]).sum(0), group, sequence_parallel)
     z_sum = _over_tp(torch.stack([st.z_sum for st in stats]).sum(), group, sequence_parallel)
-    aux = cfg.moe.num_experts * torch.sum((slots / rows) * (prob_sum / rows))
+    aux = cfg.moe.num_experts * torch.sum((slots.sum(0) / rows) * (prob_sum / rows))
+    if metrics is not None:
+        metrics.add(aux, z_sum / rows, slots)
     return aux, z_sum / rows
+
+
+class RouterMetrics:
+    """A step's router figures for its metrics record, gathered over its training forwards (a stage's MoE
+    layers, every micro-batch): the mean aux and z-loss per forward, the top-k slots each expert got per MoE
+    layer and micro-batch (min and max over the experts; all tokens of a tp group under sequence parallelism),
+    and the tokens dropped (0: routing is dropless)."""
+
+    def __init__(self):
+        self._losses: list[torch.Tensor] = []
+        self._slots: list[torch.Tensor] = []
+
+    def add(self, aux: torch.Tensor, z: torch.Tensor, slots_per_expert: torch.Tensor) -> None:
+        """One forward: its losses and its MoE layers' slots per expert (layers, E), all without gradients."""
+        self._losses.append(torch.stack([aux.detach(), z.detach()]).float())
+        self._slots.append(slots_per_expert.detach())
+
+    def take(self) -> dict[str, float]:
+        """The figures since the last take (none: {}), then start over."""
+        if not self._losses:
+            return {}
+        aux, z = torch.stack(self._losses).mean(0).tolist()
+        slots = torch.cat(self._slots).mean(0)
+        self._losses, self._slots = [], []
+        return {"moe_aux_loss": aux, "moe_z_loss": z, "moe_tokens_per_expert_min": slots.min().item(),
+                "moe_tokens_per_expert_max": slots.max().item(), "moe_dropped_tokens": 0}
 
 
 def moe_layers(layers: nn.ModuleDict) -> list[MoELayer]:

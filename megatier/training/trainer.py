@@ -281,7 +281,7 @@ class Trainer(InPlaceRecovery):
         elapsed = time.perf_counter() - start
         tokens = self.batches.ramp.batch(step) * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                  "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed,
+                  "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed, **self.model.step_metrics(),
                   "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped,
                   "data_wait_ms": self.batches.take_wait_ms()}
         if stop:

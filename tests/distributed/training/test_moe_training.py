@@ -41,8 +41,9 @@ def _train(rank: int, tmp: str, prefix: str, hf_dir: str, tp: int) -> dict:
     if rank != 0:
         return {}
     with open(os.path.join(trainer.cfg.logging.run_dir, "metrics.jsonl")) as f:
-        losses = [r["loss"] for r in map(json.loads, f) if "event" not in r]
-    return {"losses": losses, "batches": [trainer.batches.train_microbatches(s) for s in range(1, STEPS + 1)]}
+        steps = [r for r in map(json.loads, f) if "event" not in r]
+    return {"losses": [r["loss"] for r in steps], "dropped": [r["moe_dropped_tokens"] for r in steps],
+            "batches": [trainer.batches.train_microbatches(s) for s in range(1, STEPS + 1)]}
 
 
 def _reference(hf_dir: str, batches, cfg) -> list[float]:
@@ -78,3 +79,4 @@ def test_moe_trains_as_hugging_face_mixtral_with_adamw(tp, corpus_prefix, tmp_pa
     worst = max(abs(a - b) / abs(b) for a, b in zip(out["losses"], want))
     print(f"tp={tp}: worst relative loss difference over {STEPS} steps {worst:.2e}")
     assert len(out["losses"]) == STEPS and worst <= REL, (worst, out["losses"], want)
+    assert out["dropped"] == [0] * STEPS  # every step's record carries the router figures; dropless

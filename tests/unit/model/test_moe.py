@@ -125,3 +125,16 @@ def test_a_mixtral_megatier_cannot_represent_is_refused_naming_the_key(tmp_path,
     with pytest.raises(HFFormatError, match=named) as err:
         load_hf(str(tmp_path / "hf"), CFG, VOCAB)
     assert "\n" not in str(err.value)
+
+
+def test_step_metrics_report_the_router_figures_once(process_group):
+    model = _stage(process_group).train()
+    init_weights(model, seed=6)
+    for seed in (1, 2):  # two micro-batches of 2 x 16 tokens: 64 top-k slots per MoE layer over 4 experts
+        model(_tokens(b=2, s=16, seed=seed), _tokens(b=2, s=16, seed=seed + 10))
+    figures = model.step_metrics()
+    assert figures["moe_dropped_tokens"] == 0 and figures["moe_aux_loss"] > 0
+    assert figures["moe_tokens_per_expert_min"] <= 16 <= figures["moe_tokens_per_expert_max"]
+    assert model.step_metrics() == {}
+    dense = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig()})
+    assert _stage(process_group, dense).train().step_metrics() == {}
