@@ -45,6 +45,9 @@ class CrashPoint(str, enum.Enum):
     T3_AFTER_COMMIT = "t3.after_commit_before_watermark"  # committed on Tier-3, the watermark not yet advanced
     GC_MID_DELETE = "gc.mid_delete"  # reclamation interrupted between two deletions
     REPLAY_MID_BATCH = "replay.mid_batch"  # recovery killed while replaying the diff chain
+    # A rank dies before its launch's first world forms (importing, composing its config): the others wait in
+    # the rendezvous. Reached once per launch, at step 0.
+    LAUNCH_FIRST_WORLD = "launch.first_world"
     # Recovery killed after its inventory, while rank 0 decides: at the step a survivor keeps in memory (0 at a
     # launch), so ``recover.consensus:1`` fires only in an in-place recovery.
     RECOVER_CONSENSUS = "recover.consensus"

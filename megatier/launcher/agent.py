@@ -141,10 +141,11 @@ class NodeAgent:
         self.store = connect_store(self.address)
         self._beat()
         command = [sys.executable, *self.script_args]
+        first = MembershipRound(self.store, 0, self.prefix)
         for local in range(self.procs):
-            member = f"{self.node}/{local}"
-            env = self._env(member, self.node_rank * self.procs + local, local)
-            self.children.append(Child(member, self._spawn(command, env), rank=self.node_rank * self.procs + local))
+            member, rank = f"{self.node}/{local}", self.node_rank * self.procs + local
+            first.publish_holder(rank, member)  # before the process exists: its death is a known rank's
+            self.children.append(Child(member, self._spawn(command, self._env(member, rank, local)), rank=rank))
         for _ in range(self.spares):
             self._start_spare()
 

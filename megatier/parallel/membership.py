@@ -122,6 +122,19 @@ class MembershipRound:
             self.store.set(f"{self.key}/decider", member.id)
         return self.survivor_index == 1
 
+    def publish_holder(self, rank: int, member_id: str) -> None:
+        """A launcher names rank ``rank``'s first holder before it starts it: a rank lost before the launch's
+        first world forms is then known, and a round can replace it (epoch 0 has no decision that lists it)."""
+        self.store.set(f"{self._root}/holder/{rank}", member_id)
+
+    def launch_holders(self, world_size: int) -> Optional[list[str]]:
+        """The first holders of ranks 0 .. ``world_size``-1 as the launcher named them, or None when it named
+        not every one (a launcher without agents)."""
+        keys = [f"{self._root}/holder/{r}" for r in range(world_size)]
+        if not self.store.check(keys):
+            return None
+        return [self.store.get(k).decode() for k in keys]
+
     def publish_world(self, ids: list[str]) -> None:
         """The launch's world (member id by rank), for the spares: epoch 0 has no decision that lists it."""
         self.store.set(f"{self._root}/world", json.dumps(ids))

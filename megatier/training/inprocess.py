@@ -35,6 +35,7 @@ import setproctitle
 import torch.distributed as dist
 
 from megatier.config import Config, ConfigError, RecoveryConfig, validate
+from megatier.faults import CrashPoint, FaultInjector
 from megatier.launcher.agent import ENV_MEMBER, ENV_RUN, ENV_SPARE, ENV_STORE, connect_store, run_prefix
 from megatier.parallel.assignment import Assignment, Member
 from megatier.parallel.membership import MembershipRound, NodeLeases
@@ -163,13 +164,14 @@ class Membership:
         PeerLost at once when one is reported dead, or after ``timeout_s`` (a hung holder)."""
         rnd = MembershipRound(self.store, self.epoch, self.prefix)
         rnd.arrive()
-        ids = {m.id for m in self.world}
+        ids, nodes = {m.id for m in self.world}, {m.node for m in self.world}
+        leases = NodeLeases(self.store, self.prefix, self.cfg.node_lease_s)
         deadline, looked = time.monotonic() + timeout_s, 0.0
         while rnd.arrived() < len(self.world):
             if time.monotonic() - looked > _DEAD_POLL_S:
-                lost, looked = rnd.reported_dead() & ids, time.monotonic()
+                lost, looked = sorted(rnd.reported_dead() & ids) + sorted(leases.expired(nodes)), time.monotonic()
                 if lost:
-                    raise PeerLost(f"{', '.join(sorted(lost))} died before the world of round {self.epoch} formed")
+                    raise PeerLost(f"{', '.join(lost)} died before the world of round {self.epoch} formed")
             if time.monotonic() > deadline:
                 raise PeerLost(f"a holder of round {self.epoch}'s world did not come within {timeout_s:g} s")
             time.sleep(_SPARE_POLL_S)
@@ -252,23 +254,57 @@ def wait_if_spare(cfg: Config) -> tuple[bool, Optional[Membership]]:
     that world formed sends the spare, now holding a rank, into the next round as a survivor."""
     if not is_spare():
         return True, None
-    timeout_s = cfg.parallel.timeout_s
-    membership = Membership.connect(cfg.recovery, timeout_s)
+    membership = Membership.connect(cfg.recovery, cfg.parallel.timeout_s)
     if membership is None:
         raise RoundFailed(f"{ENV_SPARE}=1 needs recovery.mode=inprocess, a membership store and {ENV_MEMBER}")
-    rank = membership.await_rank()
+    if _hold(membership, membership.await_rank(), cfg):
+        return True, membership
+    return False, None
+
+
+def _hold(membership: Membership, rank: Optional[int], cfg: Config) -> bool:
+    """Take ``rank`` of the round just decided and wait for the other holders of its world; while one is lost
+    before that world forms, join the next round as a survivor (a dropped replica waits as a spare). False when
+    the job ended without needing this process."""
     while rank is not None:
         become_rank(membership, rank)
-        log.info("spare %s takes rank %d (round %d)", membership.me.id, rank, membership.epoch)
+        log.info("%s takes rank %d (round %d)", membership.me.id, rank, membership.epoch)
         try:
-            membership.rendezvous(rank, timeout_s)
-            return True, membership
+            membership.rendezvous(rank, cfg.parallel.timeout_s)
+            return True
         except PeerLost as e:
-            log.info("spare %s: %s; joining the next round", membership.me.id, e)
+            log.info("%s: %s; joining the next round", membership.me.id, e)
             a = membership.assignment
             rank = membership.survive((a.tp, a.pp, a.dp), lambda dp: trainable_dp(cfg, dp))
             rank = membership.await_rank() if rank is None else rank
-    return False, None
+    return False
+
+
+def join_first_world(membership: Optional[Membership], cfg: Config) -> None:
+    """A launch's first world: wait for every rank its launcher named before torch's rendezvous, which would
+    wait its whole timeout for a rank that died on the way (importing, composing its config). A rank reported
+    dead sends the others into a round, as after any failure: a spare takes it, or the job shrinks. Nothing to
+    do for a spare (its round's world is formed) or under a launcher that names no holders (torch's rendezvous,
+    then :meth:`Membership.learn_world`). JobEnded when the round dropped this process's replica for good."""
+    if membership is None or membership.world:
+        return
+    size, first = int(os.environ["WORLD_SIZE"]), MembershipRound(membership.store, 0, membership.prefix)
+    holders = first.launch_holders(size)
+    if holders is None:
+        return
+    membership.world = [member_of(h) for h in holders]
+    FaultInjector.from_env(int(os.environ["RANK"])).hit(CrashPoint.LAUNCH_FIRST_WORLD, 0)
+    try:
+        membership.rendezvous(int(os.environ["RANK"]), cfg.parallel.timeout_s)
+        if os.environ["RANK"] == "0":
+            first.publish_world(holders)
+        return
+    except PeerLost as e:
+        log.warning("%s; re-forming the job before its first step", e)
+    p = cfg.parallel
+    rank = membership.survive((p.tp, p.pp, size // (p.tp * p.pp)), lambda dp: trainable_dp(cfg, dp))
+    if not _hold(membership, membership.await_rank() if rank is None else rank, cfg):
+        raise JobEnded(f"member {membership.me.id} was not needed before the job ended")
 
 
 def release_spares(trainer, cfg: Optional[RecoveryConfig]) -> None:

@@ -38,8 +38,7 @@ from megatier.config.fingerprint import fingerprint_hash, followed_keys, state_f
 from megatier.data.prefetch import PrefetchingBatches
 from megatier.data.source import DataError, build_training_data
 from megatier.faults import ActivationFlip, CrashPoint, FaultInjector, gradient_nan, parameter_flip
-from megatier.interop.huggingface import load_hf
-from megatier.model.gpt import GPTStage, init_weights, load_full_state
+from megatier.model.gpt import GPTStage, init_weights
 from megatier.model.params import stage_spec
 from megatier.observe.digest import optimizer_canonical_digest, optimizer_state_digest
 from megatier.observe.goodput import GoodputLedger, NullLedger, process_started
@@ -56,8 +55,9 @@ from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
 from megatier.seeding import derive_seed
 from megatier.training.evaluate import evaluate_checkpoint
-from megatier.training.inprocess import Membership
+from megatier.training.inprocess import Membership, join_first_world
 from megatier.training.interrupt import StopRequest
+from megatier.training.job_import import init_weights_from, with_imported_job
 from megatier.training.nonfinite import NonFiniteGuard
 from megatier.training.reform import InPlaceRecovery
 from megatier.training.sdc import SpikeCheck, ranks_that_differ
@@ -99,6 +99,7 @@ class Trainer(InPlaceRecovery):
 
     def _form_world(self) -> None:
         """torch.distributed and the layout's process groups (on the membership round's store, if any)."""
+        join_first_world(self.membership, self.cfg)  # a rank lost on the way is replaced before any step
         store = self.membership.process_group_store() if self.membership is not None else None
         init_process_group("nccl" if self.device.type == "cuda" else "gloo", self.cfg.parallel.timeout_s, store)
         p = self.cfg.parallel
@@ -127,7 +128,7 @@ class Trainer(InPlaceRecovery):
         self.param_flip = parameter_flip(self.ps.rank)
         for block in list(self.model.layers.values())[:1]:
             self.flip.install(block)
-        self.checkpointer = self._build_checkpointer(self._factory)
+        self.checkpointer = with_imported_job(self._build_checkpointer(self._factory), self)  # model.init_from
 
     def _fit_checkpointing(self) -> None:
         """What this world's topology can take (a warning for each change) becomes the run's checkpoint config,
@@ -168,12 +169,7 @@ class Trainer(InPlaceRecovery):
         self.sequence_parallel_params = [n for n, p in model.named_parameters()
                                          if getattr(p, "sequence_parallel", False)]
         init_weights(model, self.cfg.train.seed)
-        if m.init_from is not None:  # fine-tuning: before flattening, so the fp32 master comes from it
-            load_full_state(model, load_hf(m.init_from, m, vocab))
-            if ps.rank == 0:
-                log.info("model.init_from: initialised the %s model from the Hugging Face %s at %s "
-                         "(a restored checkpoint replaces it)", m.name, "GPT-2" if m.arch == "gpt2" else "Llama",
-                         m.init_from)
+        init_weights_from(model, m, vocab, ps.rank)  # a Hugging Face model.init_from: before flattening
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
         self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank)
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)

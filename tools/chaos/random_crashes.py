@@ -63,7 +63,8 @@ def draw(rng: random.Random, index: int) -> Case:
     """One case: a crash point at a random step and rank (at a step's end, maybe the whole node), and with
     probability 1/3 a second failure on another rank, during the recovery or at a later step."""
     # The first failure strikes in training (a recovery's own points are reached only after one).
-    points = [p for p in CrashPoint if p not in (CrashPoint.REPLAY_MID_BATCH, CrashPoint.RECOVER_CONSENSUS)]
+    points = [p for p in CrashPoint if p not in (CrashPoint.REPLAY_MID_BATCH, CrashPoint.RECOVER_CONSENSUS,
+                                                 CrashPoint.LAUNCH_FIRST_WORLD)]
     point = rng.choice(points)
     rank = rng.randrange(WORLD)
     step = rng.randint(2, ITERS - 2)

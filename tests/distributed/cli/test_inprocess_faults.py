@@ -65,6 +65,17 @@ def test_a_failure_while_the_job_closes_is_recovered_in_place(tmp_path, drill_re
     assert run["recoveries"] and "done: step 30" in run["output"], run["output"][-3000:]
 
 
+@pytest.mark.parametrize("crash", ["launch.first_world:0:1", "launch.first_world:0:2:node"],
+                         ids=["rank", "node"])
+def test_a_rank_lost_before_the_first_world_forms_is_replaced_in_place(tmp_path, drill_reference, crash):
+    # Before any step: the others stop waiting for it (its agent's report, or its node's lease), a spare takes
+    # its rank, and the job trains from the start as if nothing happened.
+    run = launch(tmp_path, crash)
+    assert_recovered_exactly(run, drill_reference)
+    assert "re-forming the job before its first step" in run["output"], run["output"][-3000:]
+    assert "takes rank" in run["output"] and "timed out" not in run["output"], run["output"][-3000:]
+
+
 def test_a_lost_machine_takes_its_agent_ranks_and_spare_and_the_spare_node_replaces_it(tmp_path, drill_reference):
     run = launch(tmp_path, "train.step_end:19:2:node")
     assert_recovered_exactly(run, drill_reference)
