@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -36,14 +37,18 @@ def write_input(path: str, mib: float) -> int:
     return len(files)
 
 
-def run_once(source: str, prefix: str, tokenizer_args: list[str], workers: int) -> tuple[float, int]:
-    """Seconds of one megatier-preprocess run (its own figure: reading, tokenizing, writing) and its tokens."""
+def run_once(source: str, prefix: str, tokenizer_args: list[str], workers: int) -> tuple[float, int, float]:
+    """One megatier-preprocess run: its own tokens/s (reading, tokenizing on the workers, writing, from the start
+    of the workers to the closed files), its tokens, and the CPU seconds of the command and its workers."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run([*PREPROCESS, "--input", source, "--output-prefix", prefix, *tokenizer_args,
                            "--workers", str(workers), "--no-progress"], check=True, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     line = proc.stdout.strip().splitlines()[-1]
     tokens = int(line.split(" documents, ")[1].split(" tokens")[0].replace(",", ""))
-    seconds = float(line.split(" in ")[-1].split("s (")[0])
-    return seconds, tokens
+    rate = float(line.split(" documents/s, ")[1].split(" tokens/s")[0].replace(",", ""))
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return rate, tokens, cpu
 
 
 def same_output(a: str, b: str) -> bool:
@@ -53,20 +58,22 @@ def same_output(a: str, b: str) -> bool:
 def measure(root: str, source: str, name: str, tokenizer_args: list[str], workers_list: list[int],
             repeats: int) -> list[tuple]:
     rates: dict[int, list[float]] = {w: [] for w in workers_list}
+    cpus: dict[int, list[float]] = {w: [] for w in workers_list}
     loads: list[float] = []
     first, tokens = None, 0
     for r in range(repeats):
         for workers in workers_list:
             prefix = os.path.join(root, f"{name}_{workers}_{r}")
-            seconds, tokens = run_once(source, prefix, tokenizer_args, workers)
-            rates[workers].append(tokens / seconds)
+            rate, tokens, cpu = run_once(source, prefix, tokenizer_args, workers)
+            rates[workers].append(rate)
+            cpus[workers].append(cpu)
             loads.append(os.getloadavg()[0])
             first = first or prefix
             if not same_output(first, prefix):
                 raise SystemExit(f"{prefix} differs from {first}: the output depends on the worker count")
     load = f"{min(loads):.1f}-{max(loads):.1f}"
-    return [(name, w, tokens, statistics.median(rates[w]), min(rates[w]), max(rates[w]), load)
-            for w in workers_list]
+    return [(name, w, tokens, statistics.median(rates[w]), min(rates[w]), max(rates[w]),
+             statistics.median(cpus[w]), load) for w in workers_list]
 
 
 def main() -> None:
@@ -89,13 +96,13 @@ def main() -> None:
         rows += measure(root, source, f"bpe {args.bpe_vocab}", ["--tokenizer", "bpe", "--tokenizer-file", bpe.path],
                         args.workers, args.repeats)
     print(f"\n| tokenizer | workers | tokens | tokens/s, median of {args.repeats} | min-max | vs 1 worker | "
-          f"load average |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          f"CPU s (command + workers) | load average |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = {}
-    for name, workers, tokens, median, low, high, load in rows:
+    for name, workers, tokens, median, low, high, cpu, load in rows:
         base.setdefault(name, median)
         print(f"| {name} | {workers} | {tokens:,} | {median:,.0f} | {low:,.0f}-{high:,.0f} | "
-              f"{median / base[name]:.2f}x | {load} |")
+              f"{median / base[name]:.2f}x | {cpu:.1f} | {load} |")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"wrote {args.output_prefix}.bin/.idx ({args.output_format}): {summary.documents:,} documents, "
           f"{summary.tokens:,} tokens, vocab {tokenizer.vocab_size} ({tokenizer.spec()['type']}), checksum "
-          f"{corpus.checksum}, in {summary.seconds:.1f}s ({summary.documents_per_second:,.0f} documents/s, "
+          f"{corpus.checksum}, in {summary.seconds:.2f}s ({summary.documents_per_second:,.0f} documents/s, "
           f"{summary.tokens_per_second:,.0f} tokens/s, {args.workers} worker(s))")
     return 0
 

@@ -75,8 +75,9 @@ def gpt2_tokenizer(vocab: str, merges: str):
     """GPT-2's byte-level BPE from its vocab.json and merges.txt, as transformers' GPT2TokenizerFast builds it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+    prefix_space = bool(read_tokenizer_config(os.path.dirname(vocab)).get("add_prefix_space", False))
     tok = Tokenizer(models.BPE.from_file(vocab, merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=prefix_space)
     tok.decoder = decoders.ByteLevel()
     added = _added_tokens(os.path.dirname(vocab))
     if added:
