@@ -138,3 +138,15 @@ def test_step_metrics_report_the_router_figures_once(process_group):
     assert model.step_metrics() == {}
     dense = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig()})
     assert _stage(process_group, dense).train().step_metrics() == {}
+
+
+def test_full_recomputation_gives_the_gradients_of_none(process_group):
+    """The router statistics leave a recomputed block: the router losses' gradients still reach the router."""
+    grads = {}
+    for recompute in ("none", "full"):
+        model = _stage(process_group, ModelConfig(**{**CFG.__dict__, "recompute": recompute})).train()
+        init_weights(model, seed=7)
+        model(_tokens(b=2, s=16), _tokens(b=2, s=16, seed=2)).mean().backward()
+        grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads["none"].items():
+        assert torch.equal(grads["full"][name], grad), name
