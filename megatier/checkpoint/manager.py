@@ -115,7 +115,7 @@ class CheckpointManager:
         except BaseException:
             self.ctx.close()  # this launch will write nothing: stop the tiers, give up the Tier-3 lease
             raise
-        start, record = (result.end, result.record) if result is not None else (0, None)
+        start, record = (result.end, result.record) if result is not None else (self.shard.start_step, None)
         self._restored = result
         if result is not None and result.adopted:
             self._follow_job(result.adopted)

@@ -55,6 +55,9 @@ class ShardAccess:
     # The step this rank's in-memory state is known to be at, set by an in-process recovery before it restores:
     # a rank already at the agreed end reads nothing (None: unknown, e.g. the failure came mid-update).
     live_version: Optional[int] = field(default=None, init=False)
+    # The step a launch with nothing to restore starts at: 0, or the iteration of a job imported from another
+    # framework (model.init_from, megatier.training.job_import), whose state the shard already holds.
+    start_step: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         o = self.optimizer

@@ -114,11 +114,17 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
         m.num_layers >= pp,
         f"parallel.pp={pp} exceeds model.num_layers={m.num_layers}; each pipeline stage needs at least one layer",
     )
-    if m.init_from is not None:
+    fmt, _, job_path = (m.init_from or "").partition(":")
+    if fmt in ("torchtitan", "torch_dist", "megatron_legacy"):  # a whole job: megatier.training.job_import
+        _require(os.path.isdir(os.path.expanduser(job_path)),
+                 f"model.init_from={m.init_from!r}: {job_path} is not a directory; give the {fmt} checkpoint's "
+                 f"directory after '{fmt}:'")
+    elif m.init_from is not None:
         config_json = os.path.join(os.path.expanduser(m.init_from), "config.json")
         _require(os.path.isfile(config_json),
                  f"model.init_from={m.init_from!r}: {config_json} does not exist; give a Hugging Face GPT-2 or "
-                 f"Llama directory (save_pretrained or megatier-convert export) or unset model.init_from")
+                 f"Llama directory (save_pretrained or megatier-convert export), a job as torchtitan:<dir>, "
+                 f"or unset model.init_from")
 
 
 def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:
