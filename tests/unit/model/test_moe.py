@@ -1,6 +1,7 @@
 """model.moe against transformers' MixtralForCausalLM on the same weights (tp=1; tp=2 with sequence parallelism in
 tests/distributed/model/test_moe_tp.py): logits, the load-balancing loss in the objective, the Mixtral round
-trip and its refusals; dropless routing, the z-loss and the shared expert."""
+trip and its refusals; Qwen2-MoE's routing and gated shared expert; dropless routing, the z-loss, the step's
+router figures and full recomputation."""
 from __future__ import annotations
 
 import json
@@ -150,3 +151,51 @@ def test_full_recomputation_gives_the_gradients_of_none(process_group):
         grads[recompute] = {n: p.grad for n, p in model.named_parameters()}
     for name, grad in grads["none"].items():
         assert torch.equal(grads["full"][name], grad), name
+
+
+def _qwen2_moe_state(theirs, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The canonical state of a transformers Qwen2MoeForCausalLM (its modules' tensors, fused experts in memory)."""
+    hf = {n: p.detach() for n, p in theirs.named_parameters()}
+    state = {"word.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"],
+             "head_weight": hf["lm_head.weight"]}
+    for i in range(cfg.num_layers):
+        t, o = f"model.layers.{i}.", f"layers.{i}."
+        kv = torch.cat([hf[t + "self_attn.k_proj.weight"], hf[t + "self_attn.v_proj.weight"]])
+        state.update({o + "ln1.weight": hf[t + "input_layernorm.weight"],
+                      o + "attn.q.weight": hf[t + "self_attn.q_proj.weight"], o + "attn.kv.weight": kv,
+                      o + "attn.proj.weight": hf[t + "self_attn.o_proj.weight"],
+                      o + "ln2.weight": hf[t + "post_attention_layernorm.weight"],
+                      o + "moe.router.weight": hf[t + "mlp.gate.weight"],
+                      o + "moe.shared.gate_up.weight": torch.cat([hf[t + "mlp.shared_expert.gate_proj.weight"],
+                                                                  hf[t + "mlp.shared_expert.up_proj.weight"]]),
+                      o + "moe.shared.proj.weight": hf[t + "mlp.shared_expert.down_proj.weight"],
+                      o + "moe.shared_gate.weight": hf[t + "mlp.shared_expert_gate.weight"]})
+        for e in range(cfg.moe.num_experts):
+            state[f"{o}moe.experts.{e}.gate_up.weight"] = hf[t + "mlp.experts.gate_up_proj"][e]
+            state[f"{o}moe.experts.{e}.proj.weight"] = hf[t + "mlp.experts.down_proj"][e]
+    return state
+
+
+def test_shared_expert_and_softmax_topk_equal_hugging_face_qwen2_moe(process_group):
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(num_experts=6, top_k=3, moe_ffn_hidden_size=32,
+                                                          router_norm="softmax_topk", shared_expert_hidden_size=80,
+                                                          aux_loss_coeff=0.01)})
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        shared_expert_intermediate_size=80, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=6, num_experts_per_tok=3, norm_topk_prob=False, qkv_bias=False, tie_word_embeddings=False,
+        max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-6, router_aux_loss_coef=0.01)
+    torch.manual_seed(0)
+    theirs = transformers.Qwen2MoeForCausalLM(config).train()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.1)
+    ours = _stage(process_group, cfg).train()
+    load_full_state(ours, _qwen2_moe_state(theirs, cfg))
+    tokens, labels = _tokens(), _tokens(seed=2)
+    out = theirs(tokens, output_router_logits=True)
+    want = (F.cross_entropy(out.logits.flatten(0, 1), labels.flatten()) + 0.01 * out.aux_loss).item()
+    got = ours(tokens, labels).mean().item()
+    assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+    with torch.no_grad():
+        assert (ours.eval()(tokens)[..., :VOCAB] - theirs.eval()(tokens).logits).abs().max() <= 1e-4
