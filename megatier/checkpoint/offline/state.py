@@ -108,7 +108,11 @@ def choose_point(holdings: Holdings, job_id: str, step: Optional[int]) -> Consen
 
 
 def _section(cls, prefix: str, fingerprint: dict, fp_id: str):
-    values = {k[len(prefix) + 1:]: json.loads(v) for k, v in fingerprint.items() if k.startswith(prefix + ".")}
+    values: dict = {}
+    for key, value in fingerprint.items():
+        if key.startswith(prefix + "."):  # a nested group's keys (model.moe.top_k) as a mapping of its own
+            group, _, name = key[len(prefix) + 1:].rpartition(".")
+            (values.setdefault(group, {}) if group else values)[name] = json.loads(value)
     unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
         raise ExportError(f"config fingerprint {fp_id} names {prefix} settings this MegaTier does not have "

@@ -47,3 +47,13 @@ def test_dense_fingerprint_has_no_moe_keys_and_an_moe_one_has_them(compose_confi
     assert not [k for k in state_fingerprint(compose_config("model=llama_tiny"), "") if ".moe." in k]
     moe = state_fingerprint(compose_config("model=tiny_moe"), "")
     assert moe["model.moe.num_experts"] == "4" and moe["model.moe.aux_loss_coeff"] == "0.02"
+
+
+def test_an_export_rebuilds_the_moe_config_from_the_fingerprint(compose_config):
+    from megatier.checkpoint.offline.state import run_configs
+
+    cfg = compose_config("model=tiny_moe", "model.moe.z_loss_coeff=0.001")
+    model, _ = run_configs(state_fingerprint(cfg, ""))
+    assert model.moe == cfg.model.moe and model.num_layers == cfg.model.num_layers
+    dense, _ = run_configs(state_fingerprint(compose_config("model=llama_tiny"), ""))
+    assert dense.moe.num_experts == 0
