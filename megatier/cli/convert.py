@@ -22,8 +22,11 @@ optimizer settings come from the config fingerprint the units carry, so no
 config file is needed. The last line is the state's canonical digest, the
 ``canonical_digest`` of the training run's summary at that step.
 
+``--format torchtitan`` writes the whole job instead, as torchtitan's CheckpointManager saves it
+(``out_dir/step-N``; :mod:`megatier.interop.torchtitan_dcp`), for a ``model.arch=llama`` job.
+
 Importing needs no command: ``model.init_from=<dir>`` starts training from
-such a directory.
+such a directory, ``model.init_from=torchtitan:<folder>`` continues a torchtitan job.
 
 Exit status: 0 exported; 1 nothing to export (no checkpoints, no such step,
 an output directory in use, bad arguments); 2 a unit has no good copy or a
@@ -57,7 +60,10 @@ from megatier.data.corpus import find_cached_corpus
 from megatier.data.indexed import IndexedDataset
 from megatier.interop.hf_files import HFFormatError
 from megatier.interop.huggingface import export_hf
+from megatier.interop.job_state import JobFormatError, JobState
+from megatier.interop.torchtitan_dcp import export_torchtitan
 from megatier.optim.canonical import canonical_digest
+from megatier.optim.schedule import schedule_of
 from megatier.parallel.layout import layout_str
 
 _DEFAULTS = CheckpointConfig()
@@ -171,13 +177,27 @@ def export(args: argparse.Namespace) -> list[str]:
     weights = {name: kinds["master"] for name, kinds in rebuilt.canonical.items()}
     check_output(args.out_dir)  # nothing appeared meanwhile
     try:
-        export_hf(weights, model_cfg, args.out_dir, tokenizer=tokenizer)
-    except HFFormatError as e:
+        if args.format == "hf":
+            export_hf(weights, model_cfg, args.out_dir, tokenizer=tokenizer)
+        else:
+            _export_job(args, rebuilt, point.end, model_cfg, optim_cfg, fingerprint)
+    except (HFFormatError, JobFormatError) as e:
         raise ExportError(str(e)) from None
     return [_point_line(args.job_id, point, fp_id), _read_line(rebuilt),
             *(f"fallback: {line}" for line in rebuilt.fallbacks), _replay_line(point, rebuilt),
             _model_line(model_cfg, weights), _tokenizer_line(tokenizer, run_dir),
             f"wrote: {args.out_dir} ({', '.join(sorted(os.listdir(args.out_dir)))})", _digest_line(point, rebuilt)]
+
+
+def _export_job(args: argparse.Namespace, rebuilt: Rebuilt, step: int, m: ModelConfig, o, fingerprint: dict) -> None:
+    """The whole job at ``step`` (weights, Adam's moments and count, the step, the tokens consumed) in
+    ``args.format``; the param groups' lr is the schedule's at the next step (unset decay horizon: optim.lr)."""
+    seq_len, batch = (json.loads(fingerprint.get(k, "null")) for k in ("data.seq_len", "train.global_batch_size"))
+    tokens = step * batch * seq_len if seq_len and batch else None
+    lr = schedule_of(o, o.decay_iters, batch)(step + 1) if o.decay_iters and batch else o.lr
+    job = JobState(rebuilt.canonical, step, rebuilt.adam_steps, consumed_tokens=tokens)
+    if args.format == "torchtitan":
+        export_torchtitan(job, m, o, args.out_dir, lr)
 
 
 def _step(text: str) -> int:
@@ -205,6 +225,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--tier", action="append", choices=TIER_ORDER, default=None,
                    help="read only this tier (repeatable; default: all): tier1 own areas, tier2 replica areas, "
                         "tier3 committed remote units")
+    e.add_argument("--format", choices=("hf", "torchtitan"), default="hf",
+                   help="hf: a Hugging Face directory (weights); torchtitan: the whole job as torchtitan's DCP "
+                        "checkpoint folder (out_dir/step-N: weights, AdamW state, step, LR scheduler, tokens seen)")
     e.add_argument("--data-prefix", default=None,
                    help="the run's data.prefix: adds its tokenizer (BPE files, eos id); checked against the job's")
     e.add_argument("--run-dir", default=None,

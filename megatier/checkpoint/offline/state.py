@@ -154,6 +154,7 @@ class Rebuilt:
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     fallbacks: list[str] = field(default_factory=list)
     codecs: set[str] = field(default_factory=set)  # diff codecs replayed ("fp32" alone: exact)
+    adam_steps: int = 0  # Adam's bias-correction count at the point (the step less skipped fp16 steps)
 
 
 def _rebuild_rank(tiers: OfflineTiers, c: Consensus, owner: int, optim: OptimConfig, out: Rebuilt) -> ShardState:
@@ -176,6 +177,7 @@ def _rebuild_rank(tiers: OfflineTiers, c: Consensus, owner: int, optim: OptimCon
             raise ExportError(f"replaying rank {owner}'s {pid} ({where(read.copy)}) failed: {e}",
                               UNREADABLE) from None
     o = access.optimizer
+    out.adam_steps = o.adam_steps
     return ShardState(layout.tp_rank, layout.tp, o.shard_segments, {k: getattr(o, k) for k in STATE_KINDS})
 
 
