@@ -5,7 +5,8 @@
         --local-root /dev/shm/megatier --remote-url s3://bucket/runs --endpoint-url http://127.0.0.1:9000
 
 For a ``model.arch=llama`` job the directory is a ``transformers.LlamaForCausalLM`` one (its names and
-config.json: :mod:`megatier.interop.llama`). For GPT-2, it writes ``config.json`` and ``model.safetensors``
+config.json: :mod:`megatier.interop.llama`), with ``model.moe`` a ``MixtralForCausalLM`` one
+(:mod:`megatier.interop.mixtral`). For GPT-2, it writes ``config.json`` and ``model.safetensors``
 (fp32, GPT-2 names, Conv1D
 orientation, the true vocabulary) that ``transformers.GPT2LMHeadModel
 .from_pretrained`` loads, plus the tokenizer files of the run's data when
