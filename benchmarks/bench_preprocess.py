@@ -51,6 +51,31 @@ def run_once(source: str, prefix: str, tokenizer_args: list[str], workers: int) 
     return rate, tokens, cpu
 
 
+def burn(iterations: int) -> int:
+    total = 0
+    for i in range(iterations):
+        total += i * i
+    return total
+
+
+def control(workers_list: list[int], repeats: int, tasks: int = 8, iterations: int = 2_000_000) -> list[tuple]:
+    """The same pure-Python work on 1 and 2 processes: how much of a second core the box gives right now (on an
+    idle 2-core box, 2 processes do it at nearly 2x)."""
+    import multiprocessing
+
+    rates: dict[int, list[float]] = {w: [] for w in workers_list}
+    for _ in range(repeats):
+        for workers in workers_list:
+            start = time.perf_counter()
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                pool.map(burn, [0] * workers)  # the clock starts with the pool up: this row is about cores only
+                start = time.perf_counter()
+                pool.map(burn, [iterations] * tasks, chunksize=1)
+            rates[workers].append(tasks * iterations / (time.perf_counter() - start))
+    return [("control: CPU burn, loop iterations/s", w, tasks * iterations, statistics.median(rates[w]),
+             min(rates[w]), max(rates[w]), None, f"{os.getloadavg()[0]:.1f}") for w in workers_list]
+
+
 def same_output(a: str, b: str) -> bool:
     return all(open(a + s, "rb").read() == open(b + s, "rb").read() for s in (".bin", ".idx"))
 
@@ -95,14 +120,15 @@ def main() -> None:
         rows = measure(root, source, "byte", [], args.workers, args.repeats)
         rows += measure(root, source, f"bpe {args.bpe_vocab}", ["--tokenizer", "bpe", "--tokenizer-file", bpe.path],
                         args.workers, args.repeats)
-    print(f"\n| tokenizer | workers | tokens | tokens/s, median of {args.repeats} | min-max | vs 1 worker | "
-          f"CPU s (command + workers) | load average |")
+        rows += control(args.workers, args.repeats)
+    print(f"\n| tokenizer | workers | tokens (iterations) | tokens/s, median of {args.repeats} | min-max | "
+          f"vs 1 worker | CPU s (command + workers) | load average |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     base = {}
     for name, workers, tokens, median, low, high, cpu, load in rows:
         base.setdefault(name, median)
         print(f"| {name} | {workers} | {tokens:,} | {median:,.0f} | {low:,.0f}-{high:,.0f} | "
-              f"{median / base[name]:.2f}x | {cpu:.1f} | {load} |")
+              f"{median / base[name]:.2f}x | {'-' if cpu is None else f'{cpu:.1f}'} | {load} |")
 
 
 if __name__ == "__main__":
