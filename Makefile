@@ -20,6 +20,10 @@ $(STAMP): setup.py $(wildcard megatier/csrc/*) $(wildcard megatier/csrc/cuda/*)
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet pybind11 ninja
 	$(PIP) install --quiet --no-build-isolation -e '.[dev]'
+	# torchtitan (tests/torchtitan_llama.py, the interop tests' reference) pins datasets<4.8 and pulls torchdata,
+	# wandb, tensorboard, pillow: --no-deps, with only what its Llama model and checkpoint code import.
+	$(PIP) install --quiet --no-deps 'torchtitan>=0.3,<0.4' 'spmd_types==0.2.3' 'torch_checkpointing>=0.1' tyro einops
+	$(PIP) install --quiet docstring-parser typeguard
 	touch $@
 
 # Each demo gets a fresh directory: a drill never reuses an earlier job's checkpoints.
