@@ -40,15 +40,23 @@ def trained_bpe(directory, special: list[str]):
     return tok
 
 
-@pytest.fixture
-def gpt2_dir(tmp_path):
+def write_gpt2_dir(directory, add_prefix_space: bool = False):
     """A GPT-2 directory as older checkpoints ship it: vocab.json and merges.txt, no tokenizer.json."""
-    directory = tmp_path / "gpt2"
     trained_bpe(directory, ["<|endoftext|>"]).model.save(str(directory))
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>",
-         "unk_token": "<|endoftext|>", "model_max_length": 1024}))
+         "unk_token": "<|endoftext|>", "model_max_length": 1024, "add_prefix_space": add_prefix_space}))
     return directory
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    return write_gpt2_dir(tmp_path / "gpt2")
+
+
+@pytest.fixture
+def gpt2_prefix_space_dir(tmp_path):
+    return write_gpt2_dir(tmp_path / "gpt2_prefix_space", add_prefix_space=True)
 
 
 @pytest.fixture
@@ -66,7 +74,7 @@ def llama_dir(tmp_path):
     return directory
 
 
-@pytest.mark.parametrize("which", ["gpt2_dir", "llama_dir"])
+@pytest.mark.parametrize("which", ["gpt2_dir", "gpt2_prefix_space_dir", "llama_dir"])
 def test_hf_tokenizer_tokenizes_as_transformers_without_special_tokens(which, request):
     """Megatron's HuggingFaceTokenizer: the text's ids without the template's BOS, the EOS as end of document."""
     from transformers import AutoTokenizer
