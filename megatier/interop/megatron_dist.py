@@ -80,7 +80,7 @@ def _read_common(where: str) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def _check_keys(flat: dict, where: str) -> None:
+def check_keys(flat: dict, where: str) -> None:
     ours = {k for _, k in _GLOBAL} | {f"decoder.layers.{k}" for _, k in _LAYER}
     model = {k for k in flat if not k.startswith("optimizer.") and "_extra_state" not in k}
     extra = sorted(model - ours - {"output_layer.weight"})
@@ -103,7 +103,7 @@ def _value(flat: dict, key: str, kind: str, notes: list[str]) -> Optional[torch.
     return None if value is None else as_fp32(value, "the weights" if kind == "master" else "Adam's moments", notes)
 
 
-def _canonical(flat: dict, m: ModelConfig, vocab: int, notes: list[str]) -> dict[str, dict[str, torch.Tensor]]:
+def to_canonical(flat: dict, m: ModelConfig, vocab: int, notes: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     state = {}
     pairs = [(ours, theirs, None) for ours, theirs in _GLOBAL]
     pairs += [(f"layers.{i}.{ours}", f"decoder.layers.{theirs}", i)
@@ -132,10 +132,10 @@ def load_megatron_dist(path: str, m: ModelConfig, vocab: int, o: Optional[OptimC
     check_model("torch_dist", m, "gpt2")
     where = iteration_dir(path)
     flat = read_dcp(where)
-    _check_keys(flat, where)
+    check_keys(flat, where)
     common = _read_common(where)
     notes = _notes(flat, common)
-    canonical = _canonical(flat, m, vocab, notes)
+    canonical = to_canonical(flat, m, vocab, notes)
     check_shapes(canonical, m, vocab, where)
     groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups") or [{}]
     iteration = int(common.get("iteration", 0))

@@ -21,13 +21,14 @@ from megatier.config import ConfigError
 from megatier.interop.huggingface import load_hf
 from megatier.interop.job_state import JobFormatError, JobState, schedule_notes, split_init_from
 from megatier.interop.megatron_dist import load_megatron_dist
+from megatier.interop.megatron_legacy import load_megatron_legacy
 from megatier.interop.torchtitan_dcp import load_torchtitan
 from megatier.model.gpt import load_full_state
 from megatier.optim.canonical import cut_shard
 
 log = logging.getLogger(__name__)
 
-_LOADERS = {"torchtitan": load_torchtitan, "torch_dist": load_megatron_dist}
+_LOADERS = {"torchtitan": load_torchtitan, "torch_dist": load_megatron_dist, "megatron_legacy": load_megatron_legacy}
 
 
 def init_weights_from(model, m, vocab: int, rank: int) -> None:
