@@ -6,4 +6,8 @@
     llama         export_llama / load_llama: LlamaForCausalLM directories, their config.json and its checks
     mixtral       export_mixtral / load_mixtral: MixtralForCausalLM directories (model.arch=llama with model.moe)
     hf_files      what every such directory has: config.json, weights, tokenizer files; HFFormatError
+    job_state     a whole job moved between frameworks (weights, Adam's moments and count, iteration): JobState
+    torchtitan_dcp    torchtitan's DCP step-N directories (Llama)
+    megatron_dist     Megatron-core torch_dist iter_N directories (GPT-2)
+    megatron_legacy   Megatron-LM's mp_rank_XX/model_optim_rng.pt (GPT-2; weights and iteration)
 """
