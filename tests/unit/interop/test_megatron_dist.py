@@ -97,3 +97,15 @@ def test_a_key_megatier_lacks_is_refused_by_name(tmp_path):
         load_megatron_dist(str(odd), MODEL, VOCAB, OPTIM)
     with pytest.raises(JobFormatError, match="model.arch=llama"):
         load_megatron_dist(where, ModelConfig(name="l", arch="llama"), VOCAB, OPTIM)
+
+
+def test_megatron_to_megatier_to_megatron_is_bitwise(tmp_path):
+    source = export_megatron_dist(_job(2), MODEL, OPTIM, str(tmp_path / "src"), lr=1e-3, batch=8)
+    again = export_megatron_dist(load_megatron_dist(source, MODEL, VOCAB, OPTIM), MODEL, OPTIM,
+                                 str(tmp_path / "again"), lr=1e-3, batch=8)
+    a, b = read_dcp(source), read_dcp(again)
+    assert a.keys() == b.keys() and len(a) == 16 * 4  # 16 stacked model keys; fp32_param, exp_avg, exp_avg_sq of each
+    for key, value in a.items():
+        assert torch.equal(value, b[key]), key
+    common = [torch.load(os.path.join(w, "common.pt"), weights_only=False) for w in (source, again)]
+    assert common[0] == common[1]
