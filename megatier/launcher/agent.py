@@ -229,10 +229,12 @@ class NodeAgent:
     def status(self, wait_s: float = 120.0) -> int:
         """0 when every failed process was replaced by a later round (a decision that formed a world) and the
         others ended well; else the worst exit status."""
-        worst = 0
+        worst, deadline = 0, time.monotonic() + wait_s
         for child in self.children:
             code = exit_status(child.process.returncode)
-            if code and not (child.reported is not None and self._replaced(child, wait_s)):
+            # A status the job explains (a refusal, exit 7, a clean stop) is its answer: no round replaces it.
+            replaceable = code not in ENDED and child.reported is not None
+            if code and not (replaceable and self._replaced(child, max(0.0, deadline - time.monotonic()))):
                 worst = max(worst, code)
         return worst
 

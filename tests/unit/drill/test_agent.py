@@ -13,8 +13,8 @@ from megatier.parallel.membership import MembershipRound, Outcome
 
 pytestmark = pytest.mark.timeout(60)
 
-# Each child writes its environment, then: rank 1 fails with status 3, a process named in HANG sleeps, the rest
-# end well.
+# Each child writes its environment, then: rank 1 fails with the status given (1: a crash), a process named in
+# HANG sleeps, the rest end well.
 SCRIPT = """
 import json, os, sys, time
 env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MEGATIER_MEMBER_ID",
@@ -23,12 +23,12 @@ with open(os.path.join(sys.argv[1], env["MEGATIER_MEMBER_ID"].replace("/", "_") 
     json.dump(env, f)
 if env["MEGATIER_MEMBER_ID"] in sys.argv[2].split(","):
     time.sleep(60)
-sys.exit(3 if env["RANK"] == "1" else 0)
+sys.exit(int(sys.argv[3]) if env["RANK"] == "1" else 0)
 """
 
 
-def _agent(tmp_path, store, hang: str = "") -> NodeAgent:
-    return NodeAgent(["-c", SCRIPT, str(tmp_path), hang], node="node0", node_rank=0, nodes=1, procs=2, spares=1,
+def _agent(tmp_path, store, hang: str = "", status: int = 1) -> NodeAgent:
+    return NodeAgent(["-c", SCRIPT, str(tmp_path), hang, str(status)], node="node0", node_rank=0, nodes=1, procs=2, spares=1,
                      store=f"127.0.0.1:{store.port}", run_id="t")
 
 
@@ -58,7 +58,7 @@ def test_ranks_and_spares_get_their_place_and_a_failure_is_reported(tmp_path, mo
     assert envs["node0_0"]["MEGATIER_CRASH_AT"] == "train.step_end:3:1"  # only a spare drops the armed crash
     assert all(e["MEGATIER_NODE_NAME"] == "node0" and e["LOCAL_WORLD_SIZE"] == "2" for e in envs.values())
     assert MembershipRound(store, 1, run_prefix("t")).reported_dead() == {"node0/1"}
-    assert agent.status(wait_s=0.2) == 3  # no round replaced it
+    assert agent.status(wait_s=0.2) == 1  # no round replaced it
     _decide(store, 1, ("node0/0", "node0/spare0"))
     assert agent.status(wait_s=0.2) == 0
 
@@ -76,3 +76,14 @@ def test_a_process_a_round_left_out_is_stopped_and_counts_as_replaced(tmp_path):
     assert hung.process.returncode == -9
     _decide(store, 2, ("node0/spare0", "node0/x"))  # and replaced node0/1, which failed
     assert agent.status(wait_s=0.2) == 0
+
+
+def test_a_status_the_job_explains_is_its_answer_not_a_death_to_wait_out(tmp_path):
+    # A refusal (2) ends the launch at once: no round will replace a process that refused the job.
+    store = serve_store(0)
+    agent = _agent(tmp_path, store, status=2)
+    agent.start()
+    _finish(agent)
+    started = time.monotonic()
+    assert agent.status(wait_s=30.0) == 2
+    assert time.monotonic() - started < 5.0
