@@ -53,8 +53,8 @@ def split_init_from(value: Optional[str]) -> tuple[Optional[str], Optional[str]]
 def check_model(fmt: str, m: ModelConfig, arch: str) -> None:
     """Refuse a model.arch the format's checkpoints do not hold."""
     if m.arch != arch:
-        raise JobFormatError(f"model.init_from={fmt}:...: {fmt} checkpoints hold a {arch} model but model.arch="
-                             f"{m.arch}; set model.arch={arch} and its shape")
+        raise JobFormatError(f"{fmt} checkpoints hold a {arch} model but model.arch={m.arch}; {fmt} moves "
+                             f"model.arch={arch} jobs only")
 
 
 def check_shapes(state: dict[str, dict[str, torch.Tensor]], m: ModelConfig, vocab: int, where: str) -> None:

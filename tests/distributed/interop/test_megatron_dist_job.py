@@ -42,3 +42,18 @@ def test_a_job_continues_through_torch_dist_at_another_layout(corpus_prefix, tmp
     for a, b in zip(first["batch"], moved[0]["batch"]):
         assert all((x == y).all() for x, y in zip(a, b))  # the same samples at step 4
     assert moved[0]["loss"] == pytest.approx(first["loss"], rel=0, abs=1e-5)
+    again = run_world(_relaunch, 1, tmp_path, str(tmp_path), corpus_prefix, f"torch_dist:{save}", timeout_s=120)
+    assert again == [(4, True)]  # its own checkpoint at 4 (resharded to tp=1), not the import at 3
+
+
+def _relaunch(rank: int, tmp: str, prefix: str, init_from: str) -> tuple[int, bool]:
+    """The moved job launched again: it restores its own state, never the import."""
+    os.environ.update(MEGATIER_NODE_NAME="node0")
+    cfg = tiny_job(tmp, "mcdst", prefix, iters=4, tp=1, model={"num_layers": 2, "init_from": init_from},
+                   optim=OPTIM, run="run-mcdst", checkpoint={"final_base": False, "diff": {"batch": 1}},
+                   train={"global_batch_size": 4})
+    trainer = Trainer(cfg)
+    trainer.train()
+    out = (trainer.step, trainer.already_finished)
+    trainer.close()
+    return out
