@@ -28,6 +28,7 @@ from typing import Optional
 import xxhash
 
 from megatier.config.schema import Config, MoEConfig
+from megatier.data.source import megatron_sample_counts, uses_megatron_splits
 
 
 def _flat(prefix: str, obj) -> dict[str, str]:
@@ -54,6 +55,8 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
                        ("train.rampup_batch_size", t.rampup_batch_size),
                        ("train.precision", t.precision)):
         fp[key] = json.dumps(value)
+    if uses_megatron_splits(d):  # a blend's order is built for its sample count: training longer changes it
+        fp["data.train_samples"] = json.dumps(megatron_sample_counts(t, d.train_samples)["train"])
     fp.pop("model.name")  # a preset's label, not a shape
     fp.pop("model.init_from")  # a path that seeds step 0 only; a restore replaces what it set
     for key in ("model.impl", "model.layernorm_impl", "optim.grad_norm_impl"):

@@ -210,6 +210,10 @@ class DataConfig:
     test_blend: Optional[list[Any]] = None
     # Megatron's --mid-level-dataset-surplus: spare samples each corpus of a weighted blend is built with.
     mid_level_dataset_surplus: float = 0.005
+    # Megatron's --train-samples for a blend: the training samples its order is built for (None: train.iters x
+    # train.global_batch_size). The order depends on it, so a job that may train longer sets it that high at the
+    # start; a relaunch with more train.iters and no room here is refused (docs/data.md, "Training longer").
+    train_samples: Optional[int] = None
     # Read the next step's micro-batches on a background thread while the step runs (megatier.data.prefetch); the
     # samples are the same either way. false: read them in the loop (data_wait_ms then shows the whole read).
     prefetch: bool = True

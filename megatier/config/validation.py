@@ -259,6 +259,8 @@ def _validate_blends(d: DataConfig, m: ModelConfig) -> None:
     _require(d.split is None or d.blend is not None, f"data.split={d.split!r} cuts the corpora of data.blend; set "
                                                       f"data.blend (Megatron's --data-path) or unset data.split")
     if d.blend is None and not given:
+        _require(d.train_samples is None, "data.train_samples sizes a blend's order; set data.blend (or "
+                                          "data.train_blend) or unset data.train_samples")
         return
     named = "data.blend" if d.blend is not None else given[0]
     _require(d.prefix is None, f"data.prefix and {named} both name the data; keep one (unset data.prefix)")
@@ -277,6 +279,13 @@ def _validate_blends(d: DataConfig, m: ModelConfig) -> None:
     for key, blend in blends.items():
         if blend is not None:
             _validate_blend(key, blend, m)
+
+
+def _validate_train_samples(d: DataConfig, t) -> None:
+    needed = t.iters * t.global_batch_size
+    _require(d.train_samples is None or d.train_samples >= needed,
+             f"data.train_samples={d.train_samples} is fewer than the {needed} samples train.iters={t.iters} x "
+             f"train.global_batch_size={t.global_batch_size} trains on; raise it to at least {needed}, or unset it")
 
 
 def _validate_blend(key: str, blend: list, m: ModelConfig) -> None:
@@ -332,6 +341,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)
     _validate_blends(cfg.data, cfg.model)
+    _validate_train_samples(cfg.data, cfg.train)
     if p.sequence_parallel and p.tp == 1:
         warnings.warn("parallel.sequence_parallel=true does nothing at parallel.tp=1: it cuts activations across the "
                       "tensor-parallel ranks; set parallel.tp > 1, or leave it unset", ConfigWarning, stacklevel=2)

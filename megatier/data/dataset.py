@@ -89,12 +89,14 @@ class BatchSource:
     def consumed_before(self, step: int) -> int:
         return self.ramp.consumed_before(step)
 
-    def train_microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def train_indices(self, step: int) -> list[int]:
+        """The global sample indices of this dp rank's share of step ``step``."""
         per_rank = self.ramp.batch(step) // self.dp
-        first = self.consumed_before(step) + self.dp_rank * per_rank
-        indices = self.sampler.indices(first, per_rank)
-        mb = self.micro_batch_size
-        return [self.samples.stack(indices[i:i + mb]) for i in range(0, per_rank, mb)]
+        return self.sampler.indices(self.consumed_before(step) + self.dp_rank * per_rank, per_rank)
+
+    def train_microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        indices, mb = self.train_indices(step), self.micro_batch_size
+        return [self.samples.stack(indices[i:i + mb]) for i in range(0, len(indices), mb)]
 
     def val_microbatches(self, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A fixed slice of the validation split: the same samples at every evaluation."""

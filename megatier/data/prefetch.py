@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from megatier.data.sample_log import SampleLog
+
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -36,6 +38,7 @@ class PrefetchingBatches:
         self._executor: Optional[ThreadPoolExecutor] = None
         self._ahead: Optional[tuple[int, Future]] = None  # (step, its read in flight or done)
         self._wait_s = 0.0
+        self._log = SampleLog.from_env()  # MEGATIER_SAMPLE_LOG: what each step consumed, for the exactly-once tests
 
     def __getattr__(self, name: str):
         if name == "source":  # not set yet (a half-built object): no recursion
@@ -53,6 +56,8 @@ class PrefetchingBatches:
             if ahead is not None:
                 ahead[1].cancel()  # a guess for another step: let it go
             batches = self._read(step)
+        if self._log.enabled:
+            self._log.consumed(step, self.source.dp, self.source.dp_rank, self.source.train_indices(step))
         if self.enabled:
             self._read_ahead(step + 1)
         if self._pin:

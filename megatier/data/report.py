@@ -83,7 +83,7 @@ class DataReport:
 
     def _blends(self, d, t) -> None:
         plans = split_plans(d.blend, d.split, {"train": d.train_blend, "valid": d.valid_blend, "test": d.test_blend})
-        counts = megatron_sample_counts(t)
+        counts = megatron_sample_counts(t, d.train_samples)
         builder = SplitBuilder(lambda prefix: open_corpus(prefix, d.cache_dir), d.seq_len, d.seed,
                                d.mid_level_dataset_surplus)
         for name in SPLITS:

@@ -58,12 +58,13 @@ def uses_megatron_splits(d) -> bool:
     return any(b is not None for b in (d.blend, d.train_blend, d.valid_blend, d.test_blend))
 
 
-def megatron_sample_counts(t) -> dict[str, int]:
-    """Megatron's requested samples per split: training iterations x global batch; validation
-    (iters // eval_interval + 1) x eval_iters x global batch; test eval_iters x global batch."""
+def megatron_sample_counts(t, train_samples: Optional[int] = None) -> dict[str, int]:
+    """Megatron's requested samples per split: training ``train_samples`` (data.train_samples, as
+    --train-samples) or iterations x global batch; validation (iters // eval_interval + 1) x eval_iters x global
+    batch; test eval_iters x global batch."""
     batch = t.global_batch_size
-    return {"train": t.iters * batch, "valid": (t.iters // t.eval_interval + 1) * t.eval_iters * batch,
-            "test": t.eval_iters * batch}
+    return {"train": train_samples or t.iters * batch,
+            "valid": (t.iters // t.eval_interval + 1) * t.eval_iters * batch, "test": t.eval_iters * batch}
 
 
 def build_training_data(d, t, reader: Reader, *, joining: bool, vocab_size: Optional[int]) -> TrainingData:
@@ -140,13 +141,13 @@ class InOrder:
     def indices(self, start: int, count: int) -> list[int]:
         if start + count > self.num_train:
             raise IndexError(f"training asks for samples up to {start + count}, but the blend was built with "
-                             f"{self.num_train} (train.iters x train.global_batch_size)")
+                             f"{self.num_train} (data.train_samples, or train.iters x train.global_batch_size)")
         return list(range(start, start + count))
 
 
 def _megatron_data(d, t, reader: Reader, vocab_size: Optional[int]) -> TrainingData:
     plans = split_plans(d.blend, d.split, {"train": d.train_blend, "valid": d.valid_blend, "test": d.test_blend})
-    counts = megatron_sample_counts(t)
+    counts = megatron_sample_counts(t, d.train_samples)
     builder = SplitBuilder(lambda prefix: open_corpus(prefix, d.cache_dir), d.seq_len, d.seed,
                            d.mid_level_dataset_surplus)
     if plans["train"] is None:

@@ -94,7 +94,7 @@ def test_the_969_30_1_split_of_large_corpora(tmp_path):
 
 def _config(blend, split, **train):
     d = SimpleNamespace(prefix=None, blend=blend, split=split, train_blend=None, valid_blend=None, test_blend=None,
-                        mid_level_dataset_surplus=0.005, cache_dir=None, seq_len=8, seed=11)
+                        mid_level_dataset_surplus=0.005, cache_dir=None, seq_len=8, seed=11, train_samples=None)
     t = SimpleNamespace(**{"iters": 6, "global_batch_size": 8, "micro_batch_size": 2, "eval_interval": 3,
                            "eval_iters": 2, "rampup_batch_size": None, **train})
     return d, t
@@ -117,6 +117,22 @@ def test_the_trainers_global_sample_k_is_megatrons_training_sample_k(corpora, tm
         assert np.array_equal(np.concatenate(rows), np.stack(expected)), step
     inputs, _ = ranks[0].batches.val_microbatches(1)[0]
     assert np.array_equal(inputs.numpy()[0], megatron_sample(valid, 0)[:-1])  # validation reads the valid split
+
+
+def test_data_train_samples_sizes_the_order_as_megatrons_train_samples(corpora, tmp_path, monkeypatch):
+    # Megatron's --train-samples 80: the blend built for 80 samples, whatever train.iters (6 x 8) reads of it.
+    monkeypatch.setenv("MEGATIER_CACHE", str(tmp_path))
+    d, t = _config(_weighted(corpora, [0.5, 0.25, 0.25]), SPLIT, micro_batch_size=8)
+    d.train_samples = 80
+    counts = megatron_sample_counts(t, d.train_samples)
+    assert counts["train"] == 80
+    train, _, _ = megatron_splits((corpora, [0.5, 0.25, 0.25]), SPLIT, list(counts.values()), 8, 11)
+    data = build_training_data(d, t, SimpleNamespace(rank=0, dp=1, dp_rank=0, checkpoint_group=None),
+                               joining=False, vocab_size=70000)
+    inputs, labels = data.batches.train_microbatches(6)[0]
+    rows = np.concatenate([inputs.numpy(), labels.numpy()[:, -1:]], axis=1)
+    assert np.array_equal(rows, np.stack([megatron_sample(train, k) for k in range(40, 48)]))
+    assert len(train) != len(megatron_splits((corpora, [0.5, 0.25, 0.25]), SPLIT, [48, 48, 16], 8, 11)[0])
 
 
 def test_the_checksum_covers_every_corpus_and_the_weights(corpora, tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from megatier.config import ConfigError, validate
+from megatier.config.fingerprint import state_fingerprint
 from megatier.data.corpus import build_dataset, stdlib_files
 from tests.conftest import REPO
 from tests.unit.data.megatron_reference import random_documents, write_corpus
@@ -85,3 +86,25 @@ def test_training_on_a_blend_with_a_split_exits_0(tmp_path, small_corpora):
                for line in open(os.path.join(path, name)) if line.strip()]
     assert sorted({m["step"] for m in metrics if "loss" in m}) == [1, 2, 3]
     assert any("val_loss" in m for m in metrics)  # validation reads the valid split
+
+
+def test_data_train_samples_is_checked_and_recorded_only_for_a_blend(compose_config, small_corpora):
+    web, code, _ = small_corpora
+    blend = f"data.blend=[{web},{code}]"
+    common = ("model=tiny", "model.vocab_size=512", "train.global_batch_size=8", "train.micro_batch_size=2",
+              "optim.decay_iters=100")
+    with pytest.raises(ConfigError, match=r"^data.train_samples sizes a blend's order; set data.blend"):
+        validate(compose_config(*common, "data.train_samples=100"))
+    with pytest.raises(ConfigError, match=r"^data.train_samples=100 is fewer than the 160 samples train.iters=20 x "
+                                          r"train.global_batch_size=8 trains on; raise it to at least 160"):
+        validate(compose_config(*common, blend, "train.iters=20", "data.train_samples=100"))
+
+    def fingerprint(*overrides):
+        return state_fingerprint(compose_config(*common, *overrides), "checksum")
+
+    # A blend's order is built for its sample count: training longer changes it, unless the job planned for it.
+    assert fingerprint(blend, "train.iters=20")["data.train_samples"] == "160"
+    assert fingerprint(blend, "train.iters=20") != fingerprint(blend, "train.iters=30")
+    planned = ("data.train_samples=400",)
+    assert fingerprint(blend, "train.iters=20", *planned) == fingerprint(blend, "train.iters=30", *planned)
+    assert "data.train_samples" not in fingerprint("train.iters=20")  # data.prefix: the order is the epochs'
