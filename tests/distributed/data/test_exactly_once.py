@@ -1,6 +1,6 @@
 """Every global sample is trained once and in order through a job's transitions: a clean stop and its resume,
-a lost node that shrinks dp in place (4 -> 2), an elastic relaunch on fewer nodes with a resharded restore
-(dp 2 -> 1), and training longer than first planned. Each process logs the samples of every step it trains
+a lost node that shrinks dp in place (4 -> 2), elastic relaunches on fewer nodes with resharded restores (to
+pp=2, then to tp=2), and training longer than first planned. Each process logs the samples of every step it trains
 (MEGATIER_SAMPLE_LOG, :mod:`megatier.data.sample_log`); what the job trained at each step, its newest take,
 must be what a fault-free run trained there."""
 from __future__ import annotations
@@ -67,7 +67,10 @@ def test_every_sample_is_trained_once_in_order_through_stops_shrinks_and_reshard
     shrunk = launch(job, log, 2, 2, "train.iters=20", *data_args, crash_at="train.step_end:11:2:node")
     assert "(1,1,4) -> (1,1,2)" in shrunk.stdout + shrunk.stderr, (shrunk.stdout + shrunk.stderr)[-3000:]
     assert max(consumed_by_step(log)) == 20
-    launch(job, log, 1, 1, "train.iters=30", *data_args)  # one node, one process: resharded dp 2 -> 1, ten steps longer
+    # One node: resharded to pp=2 (dp 2 -> 1), five steps longer; then to tp=2 (pp 2 -> 1), five more.
+    launch(job, log, 1, 2, "train.iters=25", "parallel.pp=2", *data_args)
+    assert max(consumed_by_step(log)) == 25
+    launch(job, log, 1, 2, "train.iters=30", "parallel.tp=2", *data_args)
     got = consumed_by_step(log)
     assert sorted(got) == list(range(1, 31))
     assert {s: got[s] for s in got if got[s] != expected[s]} == {}
