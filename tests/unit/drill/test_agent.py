@@ -28,8 +28,8 @@ sys.exit(int(sys.argv[3]) if env["RANK"] == "1" else 0)
 
 
 def _agent(tmp_path, store, hang: str = "", status: int = 1) -> NodeAgent:
-    return NodeAgent(["-c", SCRIPT, str(tmp_path), hang, str(status)], node="node0", node_rank=0, nodes=1, procs=2, spares=1,
-                     store=f"127.0.0.1:{store.port}", run_id="t")
+    return NodeAgent(["-c", SCRIPT, str(tmp_path), hang, str(status)], node="node0", node_rank=0, nodes=1, procs=2,
+                     spares=1, store=f"127.0.0.1:{store.port}", run_id="t")
 
 
 def _finish(agent: NodeAgent) -> None:
