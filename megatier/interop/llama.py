@@ -136,14 +136,18 @@ def load_llama(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, 
     ``vocab_size``; HFFormatError with one line otherwise."""
     path = os.path.expanduser(path)
     check_llama_config(read_config(path, "llama", SAVED_BY), model_cfg, vocab_size, path)
+    return canonical_from(path, name_map(model_cfg.num_layers), canonical_shapes(model_cfg, vocab_size))
+
+
+def canonical_from(path: str, pairs: list[tuple[str, tuple[str, ...]]], expected: dict) -> dict[str, torch.Tensor]:
+    """The canonical tensors (fp32) of ``pairs`` (ours, the Hugging Face names concatenated into it) from the
+    weights of ``path``, each of its ``expected`` shape; HFFormatError with one line otherwise."""
     tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
-    pairs = name_map(model_cfg.num_layers)
     wanted = {name for _, theirs in pairs for name in theirs}
     unexpected, missing = sorted(tensors.keys() - wanted), sorted(wanted - tensors.keys())
     if unexpected or missing:
         raise HFFormatError(f"{path}: the weights do not match its config.json (missing {missing[:3]}, "
                             f"unexpected {unexpected[:3]}); re-save the model with save_pretrained")
-    expected = canonical_shapes(model_cfg, vocab_size)
     state = {}
     for ours, theirs in pairs:
         value = torch.cat([tensors[name].to(torch.float32) for name in theirs], dim=0)

@@ -26,11 +26,10 @@ from megatier.interop.hf_files import (
     check_state,
     prepare_out_dir,
     read_config,
-    read_tensors,
     write_model,
     write_tokenizer,
 )
-from megatier.interop.llama import check_llama_config, llama_config, name_map
+from megatier.interop.llama import canonical_from, check_llama_config, llama_config, name_map
 from megatier.model.params import canonical_shapes
 
 SAVED_BY = "megatier-convert export or MixtralForCausalLM.save_pretrained"
@@ -112,19 +111,4 @@ def load_mixtral(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str
     check_representable(model_cfg)
     path = os.path.expanduser(path)
     check_mixtral_config(read_config(path, "mixtral", SAVED_BY), model_cfg, vocab_size, path)
-    tensors = {k: v for k, v in read_tensors(path).items() if not k.endswith("rotary_emb.inv_freq")}
-    pairs = mixtral_name_map(model_cfg)
-    wanted = {name for _, theirs in pairs for name in theirs}
-    unexpected, missing = sorted(tensors.keys() - wanted), sorted(wanted - tensors.keys())
-    if unexpected or missing:
-        raise HFFormatError(f"{path}: the weights do not match its config.json (missing {missing[:3]}, "
-                            f"unexpected {unexpected[:3]}); re-save the model with save_pretrained")
-    expected = canonical_shapes(model_cfg, vocab_size)
-    state = {}
-    for ours, theirs in pairs:
-        value = torch.cat([tensors[name].to(torch.float32) for name in theirs], dim=0)
-        if tuple(value.shape) != expected[ours]:
-            raise HFFormatError(f"{path}: {' and '.join(theirs)} give shape {tuple(value.shape)} where its "
-                                f"config.json implies {expected[ours]}; re-save the model with save_pretrained")
-        state[ours] = value
-    return state
+    return canonical_from(path, mixtral_name_map(model_cfg), canonical_shapes(model_cfg, vocab_size))
