@@ -53,11 +53,17 @@ METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "comm
 def iteration_dir(path: str) -> str:
     """``path`` itself (it has metadata.json), or the iteration Megatron-LM's tracker file names in it."""
     path = os.path.expanduser(path)
-    if os.path.isfile(os.path.join(path, "metadata.json")):
+    return tracked_iteration(path, os.path.isfile(os.path.join(path, "metadata.json")), "metadata.json")
+
+
+def tracked_iteration(path: str, is_iteration: bool, marker: str) -> str:
+    """``path`` when ``is_iteration`` (it holds ``marker``), else the iteration the tracker file of Megatron-LM's
+    --save directory names in it (``latest_checkpointed_iteration.txt``: a number or ``release``)."""
+    if is_iteration:
         return path
     tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
     if not os.path.isfile(tracker):
-        raise JobFormatError(f"{path} has neither metadata.json nor latest_checkpointed_iteration.txt; give "
+        raise JobFormatError(f"{path} has neither {marker} nor latest_checkpointed_iteration.txt; give "
                              f"Megatron-LM's --save directory or one iter_NNNNNNN in it")
     with open(tracker) as f:
         text = f.read().strip()

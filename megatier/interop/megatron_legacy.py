@@ -22,7 +22,7 @@ import torch
 
 from megatier.config import ModelConfig, OptimConfig
 from megatier.interop.job_state import JobFormatError, JobState, check_model, check_shapes
-from megatier.interop.megatron_dist import check_keys, to_canonical
+from megatier.interop.megatron_dist import check_keys, to_canonical, tracked_iteration
 
 # Local-spec names -> the names torch_dist uses (Transformer Engine's fused layer norms).
 _ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -35,15 +35,8 @@ _REPLICATED = ("layer_norm", "layernorm", "linear_proj.bias", "linear_fc2.bias",
 
 def _iteration_dir(path: str) -> str:
     path = os.path.expanduser(path)
-    if any(d.startswith("mp_rank_") for d in (os.listdir(path) if os.path.isdir(path) else [])):
-        return path
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    if not os.path.isfile(tracker):
-        raise JobFormatError(f"{path} has neither mp_rank_* directories nor latest_checkpointed_iteration.txt; "
-                             f"give Megatron-LM's --save directory or one iter_NNNNNNN in it")
-    with open(tracker) as f:
-        text = f.read().strip()
-    return os.path.join(path, text if text == "release" else f"iter_{int(text):07d}")
+    ranks = any(d.startswith("mp_rank_") for d in (os.listdir(path) if os.path.isdir(path) else []))
+    return tracked_iteration(path, ranks, "mp_rank_* directories")
 
 
 def _ranks(where: str) -> dict[tuple[int, int], dict]:
