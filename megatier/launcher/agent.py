@@ -232,8 +232,8 @@ class NodeAgent:
         worst, deadline = 0, time.monotonic() + wait_s
         for child in self.children:
             code = exit_status(child.process.returncode)
-            # A status the job explains (a refusal, exit 7, a clean stop) is its answer: no round replaces it.
-            replaceable = code not in ENDED and child.reported is not None
+            # A refusal (2: every rank refuses the same config) is the launch's answer: no round will replace it.
+            replaceable = code != 2 and child.reported is not None
             if code and not (replaceable and self._replaced(child, max(0.0, deadline - time.monotonic()))):
                 worst = max(worst, code)
         return worst
