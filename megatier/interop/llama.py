@@ -120,15 +120,22 @@ def export_llama(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir
                  tokenizer: Optional[dict] = None) -> None:
     """Write ``out_dir`` so that ``LlamaForCausalLM.from_pretrained(out_dir)`` computes MegaTier's model (the
     canonical state of a ``model.arch=llama`` job; ``tokenizer`` as :func:`megatier.interop.gpt2.export_gpt2`)."""
+    write_directory(state, model_cfg, out_dir, tokenizer, name_map(model_cfg.num_layers), llama_config)
+
+
+def write_directory(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: str, tokenizer: Optional[dict],
+                    pairs: list[tuple[str, tuple[str, ...]]], make_config) -> None:
+    """The Hugging Face directory of ``state``: each canonical tensor of ``pairs`` cut into the named tensors it
+    joins, the tokenizer, and ``make_config(model_cfg, vocab, eod)`` as config.json."""
     vocab = check_state(state, model_cfg)
     prepare_out_dir(out_dir)
     eod = write_tokenizer(out_dir, tokenizer, model_cfg.max_position_embeddings)
     tensors = {}
-    for ours, theirs in name_map(model_cfg.num_layers):
+    for ours, theirs in pairs:
         value = state[ours].detach().to(device="cpu", dtype=torch.float32)
         for name, part in zip(theirs, value.chunk(len(theirs), dim=0)):
             tensors[name] = part.clone()
-    write_model(out_dir, tensors, llama_config(model_cfg, vocab, eod))
+    write_model(out_dir, tensors, make_config(model_cfg, vocab, eod))
 
 
 def load_llama(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:

@@ -23,13 +23,9 @@ from megatier.config import ModelConfig
 from megatier.config.schema import expert_ffn_size, ffn_size
 from megatier.interop.hf_files import (
     HFFormatError,
-    check_state,
-    prepare_out_dir,
     read_config,
-    write_model,
-    write_tokenizer,
 )
-from megatier.interop.llama import canonical_from, check_llama_config, llama_config, name_map
+from megatier.interop.llama import canonical_from, check_llama_config, llama_config, name_map, write_directory
 from megatier.model.params import canonical_shapes
 
 SAVED_BY = "megatier-convert export or MixtralForCausalLM.save_pretrained"
@@ -94,15 +90,7 @@ def export_mixtral(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_d
                    tokenizer: Optional[dict] = None) -> None:
     """Write ``out_dir`` so that ``MixtralForCausalLM.from_pretrained(out_dir)`` computes MegaTier's model."""
     check_representable(model_cfg)
-    vocab = check_state(state, model_cfg)
-    prepare_out_dir(out_dir)
-    eod = write_tokenizer(out_dir, tokenizer, model_cfg.max_position_embeddings)
-    tensors = {}
-    for ours, theirs in mixtral_name_map(model_cfg):
-        value = state[ours].detach().to(device="cpu", dtype=torch.float32)
-        for name, part in zip(theirs, value.chunk(len(theirs), dim=0)):
-            tensors[name] = part.clone()
-    write_model(out_dir, tensors, mixtral_config(model_cfg, vocab, eod))
+    write_directory(state, model_cfg, out_dir, tokenizer, mixtral_name_map(model_cfg), mixtral_config)
 
 
 def load_mixtral(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
