@@ -10,25 +10,21 @@ import pytest
 import torch
 
 from megatier.config import ModelConfig
-from megatier.optim.schedule import LRSchedule
 from megatier.training.trainer import Trainer
-from tests.distributed.configs import tiny_job
+from tests.distributed.training.hf_reference import STEPS, adamw_losses, hf_job
 from tests.distributed.world import run_world
 from tests.hf_llama import save_random_llama
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)
 
-STEPS, VOCAB, REL = 20, 257, 1e-5
+VOCAB, REL = 257, 1e-5
 MODEL = dict(name="llama_t", arch="llama", num_layers=2, hidden_size=64, num_heads=4, num_query_groups=2,
              ffn_hidden_size=96, max_position_embeddings=64)
 
 
 def _config(tmp: str, prefix: str, hf_dir: str, tp: int):
-    return tiny_job(tmp, f"llama-tp{tp}", prefix, iters=STEPS, tp=tp, sequence_parallel=tp > 1, run=f"run-tp{tp}",
-                    model={**MODEL, "init_from": hf_dir},
-                    optim={"lr": 3e-3, "min_lr": 3e-4, "warmup_iters": 4, "decay_iters": STEPS, "clip_grad": 0.5,
-                           "weight_decay": 0.1})
+    return hf_job(tmp, "llama", prefix, hf_dir, tp, MODEL)
 
 
 def _train(rank: int, tmp: str, prefix: str, hf_dir: str, tp: int) -> dict:
@@ -44,23 +40,8 @@ def _train(rank: int, tmp: str, prefix: str, hf_dir: str, tp: int) -> dict:
 
 def _reference(hf_dir: str, batches, cfg) -> list[float]:
     model = transformers.LlamaForCausalLM.from_pretrained(hf_dir).float().train()
-    o = cfg.optim
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    rest = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                            lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
-    schedule = LRSchedule(o.lr, o.min_lr, o.warmup_iters, o.decay_iters)
-    losses = []
-    for step, mbs in enumerate(batches, start=1):
-        opt.zero_grad()
-        loss = sum(torch.nn.functional.cross_entropy(model(x).logits.flatten(0, 1), y.flatten()) for x, y in mbs)
-        (loss / len(mbs)).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip_grad)
-        for group in opt.param_groups:
-            group["lr"] = schedule(step)
-        opt.step()
-        losses.append(float(loss) / len(mbs))
-    return losses
+    return adamw_losses(model, batches, cfg.optim,
+                        lambda m, x, y: torch.nn.functional.cross_entropy(m(x).logits.flatten(0, 1), y.flatten()))
 
 
 @pytest.mark.parametrize("tp", [1, 2])
