@@ -2,8 +2,9 @@
 
     loss.png             loss and val_loss against step; each failure (the last step reached before it) and
                          each resumption (the step E recovery restored) marked
-    step_time.png        step time (iter_time_s), checkpoint stall (ckpt_stall_ms) and data wait (data_wait_ms)
-                         per step
+    step_time.png        step time (iter_time_s), and per step what it waited for: the checkpoint (ckpt_stall_ms),
+                         data (data_wait_ms), data-parallel communication (dp_wait_ms), pipeline neighbours
+                         (pp_bubble_ms)
     recovery_points.png  rpo_software / rpo_node / rpo_rack against the current step
     goodput.png          goodput per step and the final breakdown into goodput_<part>_s
     tier_bytes.png       bytes written per step (diff_bytes, base_bytes) and held (every other *_bytes key)
@@ -28,6 +29,8 @@ _RPO = ("rpo_software", "rpo_node", "rpo_rack")
 _WRITTEN = ("diff_bytes", "base_bytes")  # bytes serialized this step; every other *_bytes key is held
 GOODPUT = "goodput"  # the productive share of wall time; goodput_<part>_s are its parts in seconds
 _GOODPUT_TOTALS = ("wall", "total")  # goodput_<total>_s is the sum of the parts, not a part
+_STEP_WAITS = (("ckpt_stall_ms", "tab:purple"), ("data_wait_ms", "tab:green"), ("dp_wait_ms", "tab:orange"),
+               ("pp_bubble_ms", "tab:brown"))  # what a step waited for, in ms
 
 
 class NothingToPlot(Exception):
@@ -101,17 +104,15 @@ def loss_figure(history: RunHistory) -> Figure:
 
 
 def step_time_figure(history: RunHistory) -> Figure:
-    """Step time (iter_time_s), and the checkpoint stall (ckpt_stall_ms) and the wait for data (data_wait_ms)
-    the loop paid, per step."""
+    """Step time (iter_time_s), and what the step waited for (_STEP_WAITS: the checkpoint stall, data,
+    data-parallel communication, pipeline neighbours), per step."""
     fig, (top, bottom) = _figure(2)
     if not _lines(top, history, "iter_time_s", "step time (iter_time_s, in ms)", scale=1000.0, color="tab:blue",
                   lw=0.8):
         raise NothingToPlot("no iter_time_s in the step records")
-    top.set(ylabel="step time (ms)", title="step time, checkpoint stall and data wait")
-    stall = _lines(bottom, history, "ckpt_stall_ms", "ckpt_stall_ms", color="tab:purple", lw=0.8)
-    wait = _lines(bottom, history, "data_wait_ms", "data_wait_ms", color="tab:green", lw=0.8)
-    if not (stall or wait):
-        bottom.text(0.5, 0.5, "no ckpt_stall_ms (checkpointing was off) and no data_wait_ms",
+    top.set(ylabel="step time (ms)", title="step time, and the waits in it")
+    if not [key for key, color in _STEP_WAITS if _lines(bottom, history, key, key, color=color, lw=0.8)]:
+        bottom.text(0.5, 0.5, f"no {', '.join(key for key, _ in _STEP_WAITS)} in the step records",
                     transform=bottom.transAxes, ha="center")
     bottom.set(xlabel="step", ylabel="stall and wait (ms)")
     for ax in (top, bottom):

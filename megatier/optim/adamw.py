@@ -23,6 +23,7 @@ What the checkpoint system reads (valid after ``step`` returns):
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -129,14 +130,23 @@ class DistributedAdamW:
         self.adam_steps += 1
         ops.adamw_step(self.master, self.exp_avg, self.exp_avg_sq, grad, self.adam_steps, lr,
                        self.cfg.beta1, self.cfg.beta2, self.cfg.eps, self.cfg.weight_decay, self.decay_ranges)
-        self.publish_params()
+        self.publish_params(step_wait=True)
         return StepStats(lr, norm, False, scale)
 
-    def publish_params(self) -> None:
-        """Copy the master shard into the model's parameters on every dp rank."""
+    def publish_params(self, *, step_wait: bool = False) -> None:
+        """Copy the master shard into the model's parameters on every dp rank; ``step_wait``: a training step's
+        all-gather (its time counts as ``dp_param_wait_ms``), not a restore's."""
         self._param_shard.copy_(self.master)
         if self.layout.dp > 1:
-            all_gather_flat(self.param_flat, self._param_shard.clone(), self.dp_group)
+            with self.grads.clock.timing("dp_param_wait_ms") if step_wait else nullcontext():
+                all_gather_flat(self.param_flat, self._param_shard.clone(), self.dp_group)
+
+    def take_wait_ms(self) -> dict[str, float]:
+        """The data-parallel communication the steps since the last call waited for, in ms: the gradient
+        reduce-scatter (``dp_grad_wait_ms``), the parameter all-gather (``dp_param_wait_ms``) and their sum
+        (``dp_wait_ms``); all 0.0 with dp = 1."""
+        waits = self.grads.clock.take("dp_grad_wait_ms", "dp_param_wait_ms")
+        return {"dp_wait_ms": sum(waits.values()), **waits}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {"master": self.master, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}

@@ -10,6 +10,9 @@ and overlapped: each dp rank owns one contiguous range of the whole flat space
 (the unit the checkpoint system saves and replays), so a bucket would have to be
 reduced piecewise to the owners of the ranges it straddles. At the model sizes
 this runs on CPU the single collective is not the bottleneck.
+
+The reduce-scatter is timed on :attr:`GradBuffer.clock` (``dp_grad_wait_ms``): all of it is exposed, since
+nothing else runs while it does.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from torch import nn
 
 from megatier.optim.collectives import reduce_scatter_flat
 from megatier.optim.flat import FlatLayout
+from megatier.optim.wait_clock import WaitClock
 
 
 class GradBuffer:
@@ -28,6 +32,7 @@ class GradBuffer:
         self.layout = layout
         self.dp_group = dp_group
         self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=device)
+        self.clock = WaitClock(device)  # data-parallel communication the step waits for (also the optimizer's)
         self._hooks = []
         params = dict(module.named_parameters())
         for s in layout.segments:
@@ -62,7 +67,8 @@ class GradBuffer:
             return self.flat[lo:hi].clone()
         shard = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.flat.device)
         self.flat.div_(dp)
-        reduce_scatter_flat(shard, self.flat, self.dp_group)
+        with self.clock.timing("dp_grad_wait_ms"):
+            reduce_scatter_flat(shard, self.flat, self.dp_group)
         return shard
 
     def remove_hooks(self) -> None:

@@ -8,6 +8,10 @@ order the backend serves the messages in (gloo's send may block until the
 matching receive is posted). Messages of one direction between one pair are
 matched in order, so no tags are needed.
 
+Every wait on a transfer is timed on :attr:`PipelineComm.clock` (``pp_bubble_ms``): the time this stage sat
+idle for its neighbours, its share of the pipeline bubble (a receive whose sender is still computing, or a
+send the receiver has not taken yet).
+
 Peers are addressed by their rank in the pipeline group, which equals the
 pipeline stage because the group lists its ranks in stage order.
 """
@@ -17,6 +21,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from megatier.optim.wait_clock import WaitClock
+
+
+def bubble_ms(comm: Optional["PipelineComm"]) -> dict[str, float]:
+    """A step record's ``pp_bubble_ms``: ``comm``'s since the last read, 0.0 without a pipeline (None)."""
+    return comm.take_bubble_ms() if comm is not None else {"pp_bubble_ms": 0.0}
 
 
 class PipelineComm:
@@ -31,6 +42,11 @@ class PipelineComm:
         self.group, self.dtype, self.device = group, dtype, device
         self.stage, self.num_stages = dist.get_rank(group), dist.get_world_size(group)
         self.is_first, self.is_last = self.stage == 0, self.stage == self.num_stages - 1
+        self.clock = WaitClock(device)
+
+    def take_bubble_ms(self) -> dict[str, float]:
+        """``pp_bubble_ms``: the milliseconds this stage waited on transfers since the last call."""
+        return self.clock.take("pp_bubble_ms")
 
     def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -52,8 +68,7 @@ class PipelineComm:
             from_next = self._empty(recv_next)
             ops.append(dist.P2POp(dist.irecv, from_next, group=self.group, group_peer=self.stage + 1))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            self.wait(dist.batch_isend_irecv(ops))
         return from_prev, from_next
 
     def _wire(self, x: torch.Tensor) -> torch.Tensor:
@@ -73,9 +88,14 @@ class PipelineComm:
     def recv_from(self, stage: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor of ``shape`` from ``stage`` (waits for it)."""
         out = self._empty(shape)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, group=self.group, group_peer=stage)]):
-            work.wait()
+        self.wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, group=self.group, group_peer=stage)]))
         return out
+
+    def wait(self, works: list[dist.Work]) -> None:
+        """Wait for posted transfers, the time counted as this stage's bubble."""
+        with self.clock.timing("pp_bubble_ms"):
+            for work in works:
+                work.wait()
 
     def recv_forward(self, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
         """Activations from the previous stage (None on the first stage)."""

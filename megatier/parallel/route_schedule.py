@@ -113,6 +113,5 @@ def forward_backward_routes(model: nn.Module, microbatches: Microbatches, routes
             if k > 0:
                 posted.append(comm.isend_to(routes[i][k - 1][0], x.grad))
     for works, _ in posted:
-        for work in works:
-            work.wait()
+        comm.wait(works)
     return total

@@ -126,4 +126,5 @@ def forward_pipeline(model: nn.Module, microbatches: Microbatches, *, comm: Pipe
             total += y.float().cpu()
         else:
             comm.send_forward(y)
+    comm.take_bubble_ms()  # evaluation's waits are no training step's bubble
     return total

@@ -49,7 +49,7 @@ from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.schedule import schedule_of
 from megatier.parallel.checkfree_plus import sync_replica_grads
-from megatier.parallel.p2p import PipelineComm
+from megatier.parallel.p2p import PipelineComm, bubble_ms
 from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
 from megatier.parallel.state import ParallelState, build_parallel_state, init_process_group
@@ -279,7 +279,7 @@ class Trainer(InPlaceRecovery):
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
                   "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed, **self.model.step_metrics(),
                   "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped,
-                  "data_wait_ms": self.batches.take_wait_ms()}
+                  "data_wait_ms": self.batches.take_wait_ms(), **self.optimizer.take_wait_ms(), **bubble_ms(self.comm)}
         if stop:
             record["stop_requested"] = stop
         if why is not None:

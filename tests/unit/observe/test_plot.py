@@ -24,6 +24,7 @@ def _write(path, records) -> None:
 
 def _step(step: int, **extra) -> dict:
     return {"step": step, "loss": 5.0 - 0.1 * step, "iter_time_s": 0.05, "ckpt_stall_ms": 1.5, "diff_bytes": 4000,
+            "dp_wait_ms": 3.0, "pp_bubble_ms": 4.0,
             "base_bytes": 600_000 if step % 10 == 0 else 0, "tier1_bytes": 1_000_000 + 5000 * step,
             "rpo_software": step - 1, "rpo_node": step - 2, "rpo_rack": step - 5,
             "goodput": 0.8, **{f"goodput_{p}_s": s * step / 20 for p, s in PARTS.items()}, **extra}
@@ -138,6 +139,8 @@ def test_legends_say_what_is_drawn_and_stay_off_the_data(drill_dir):
     history = RunHistory.read(str(drill_dir))
     labels = [t.get_text() for t in step_time_figure(history).axes[0].get_legend().get_texts()]
     assert labels[0] == "step time (iter_time_s, in ms)"
+    waits = [t.get_text() for t in step_time_figure(history).axes[1].get_legend().get_texts()]
+    assert waits[:3] == ["ckpt_stall_ms", "dp_wait_ms", "pp_bubble_ms"]  # the drill's steps carry no data_wait_ms
     for ax in tier_bytes_figure(history).axes:
         box = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
         assert box.x0 >= 1.0  # right of the axes
