@@ -153,6 +153,13 @@ def load_megatron_dist(path: str, m: ModelConfig, vocab: int, o: Optional[OptimC
                     next_lr=None, source=f"Megatron-core torch_dist {where}", notes=notes)
 
 
+def global_tensors(job: JobState, m: ModelConfig, kind: str, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """torch_dist key -> ``kind``'s global tensor (layers stacked, vocabulary padded with zero rows) of ``job``."""
+    names = [(ours, theirs) for ours, theirs in _GLOBAL] + [(f"layers.{ours}", f"decoder.layers.{theirs}")
+                                                             for ours, theirs in _LAYER]
+    return {theirs: _stacked(job, m, ours, kind, padded_vocab) for ours, theirs in names}
+
+
 def _stacked(job: JobState, m: ModelConfig, ours: str, kind: str, padded_vocab: int) -> torch.Tensor:
     if ours.startswith("layers."):
         parts = [job.canonical[f"layers.{i}.{ours[len('layers.'):]}"][kind] for i in range(m.num_layers)]
@@ -180,13 +187,11 @@ def export_megatron_dist(job: JobState, m: ModelConfig, o: OptimConfig, save_dir
     padded = math.ceil(job.canonical["word.weight"]["master"].shape[0] / m.make_vocab_size_divisible_by) * \
         m.make_vocab_size_divisible_by
     state: dict[str, object] = {}
-    names = [(ours, theirs) for ours, theirs in _GLOBAL] + [(f"layers.{ours}", f"decoder.layers.{theirs}")
-                                                             for ours, theirs in _LAYER]
-    for ours, theirs in names:
-        for kind in KINDS:
-            value = _stacked(job, m, ours, kind, padded)
+    for kind in KINDS:
+        for theirs, value in global_tensors(job, m, kind, padded).items():
             state[theirs if kind == "master" else f"optimizer.state.{_OPTIM[kind]}.{theirs}"] = value
-        state[f"optimizer.state.fp32_param.{theirs}"] = state[theirs].clone()
+            if kind == "master":
+                state[f"optimizer.state.fp32_param.{theirs}"] = value.clone()
     where = os.path.join(save_dir, f"iter_{job.iteration:07d}")
     dcp.save(state, checkpoint_id=where, no_dist=True)
     torch.save(_common(job, o, lr, batch), os.path.join(where, "common.pt"))
