@@ -171,11 +171,19 @@ def _stacked(job: JobState, m: ModelConfig, ours: str, kind: str, padded_vocab: 
     return value.contiguous()
 
 
-def _common(job: JobState, o: OptimConfig, lr: float, batch: int) -> dict:
+def param_groups(job: JobState, o: OptimConfig, lr: float) -> list[dict]:
+    """Megatron-core's two default param groups (weight decay, and none for biases and 1-d tensors), each with
+    the keys its DistributedOptimizer.load_state_dict matches the model's groups by (wd_mult, lr_mult,
+    is_expert_parallel, is_decoupled_lr); a group without them is refused there."""
     group = {"step": job.adam_steps, "lr": lr, "betas": (o.beta1, o.beta2), "eps": o.eps,
-             "weight_decay": o.weight_decay}
+             "weight_decay": o.weight_decay, "lr_mult": 1.0, "is_decoupled_lr": False, "is_expert_parallel": False,
+             "max_lr": o.lr, "min_lr": o.min_lr, "default_config": True}
+    return [{**group, "wd_mult": 1.0}, {**group, "wd_mult": 0.0}]
+
+
+def _common(job: JobState, o: OptimConfig, lr: float, batch: int) -> dict:
     return {"iteration": job.iteration, "checkpoint_version": 3.0, "num_floating_point_operations_so_far": 0,
-            "optimizer": {"optimizer": {"param_groups": [group]},
+            "optimizer": {"optimizer": {"param_groups": param_groups(job, o, lr)},
                           "param_state_sharding_type": "fully_sharded_model_space"},
             "opt_param_scheduler": {"max_lr": o.lr, "min_lr": o.min_lr, "num_steps": job.consumed_samples
                                     if job.consumed_samples is not None else job.iteration * batch}}

@@ -26,7 +26,7 @@ import torch
 
 from megatier.config import ModelConfig, OptimConfig
 from megatier.interop.job_state import KINDS, JobFormatError, JobState, check_model, check_shapes
-from megatier.interop.megatron_dist import check_keys, global_tensors, to_canonical, tracked_iteration
+from megatier.interop.megatron_dist import check_keys, global_tensors, param_groups, to_canonical, tracked_iteration
 from megatier.interop.megatron_distrib_optim import bucket_size_of, param_state, read_param_state
 
 # Local-spec names -> the names torch_dist uses (Transformer Engine's fused layer norms).
@@ -194,14 +194,12 @@ def export_megatron_legacy(job: JobState, m: ModelConfig, o: OptimConfig, save_d
         raise JobFormatError(f"--tp {tp} does not divide the model's heads ({m.num_heads}) and ffn size")
     step = m.make_vocab_size_divisible_by * tp
     padded = math.ceil(job.canonical["word.weight"]["master"].shape[0] / step) * step
-    group = {"step": job.adam_steps, "lr": lr, "betas": (o.beta1, o.beta2), "eps": o.eps,
-             "weight_decay": o.weight_decay}
     where = os.path.join(save_dir, f"iter_{job.iteration:07d}")
     for t, tensors in enumerate(_rank_tensors(job, m, tp, padded)):
         rank_dir = os.path.join(where, f"mp_rank_{t:02d}")
         os.makedirs(rank_dir)
         torch.save({"args": _args(job, m, tp, padded), "checkpoint_version": 3.0, "iteration": job.iteration,
-                    "model": tensors["master"], "optimizer": {"optimizer": {"param_groups": [group]}},
+                    "model": tensors["master"], "optimizer": {"optimizer": {"param_groups": param_groups(job, o, lr)}},
                     "opt_param_scheduler": {"max_lr": o.lr, "min_lr": o.min_lr, "num_steps": job.consumed_samples},
                     "num_floating_point_operations_so_far": 0}, os.path.join(rank_dir, "model_optim_rng.pt"))
         params = [(k, v.numel()) for k, v in tensors["master"].items()]

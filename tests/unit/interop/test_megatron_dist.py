@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from megatier.config import ModelConfig, OptimConfig
 from megatier.interop.job_state import JobFormatError, JobState
@@ -109,3 +110,46 @@ def test_megatron_to_megatier_to_megatron_is_bitwise(tmp_path):
         assert torch.equal(value, b[key]), key
     common = [torch.load(os.path.join(w, "common.pt"), weights_only=False) for w in (source, again)]
     assert common[0] == common[1]
+
+
+def _mcore_optimizer_asks(rank: int) -> dict:
+    """What megatron-core's DistributedOptimizer would ask of a torch_dist checkpoint for a GPTModel: its
+    sharded_param_state_fs_model_space keys (optimizer.state.<fp32_param|exp_avg|exp_avg_sq>.<model key>, the
+    model ShardedTensor's global shape, fp32), and the identifier keys by which load_state_dict matches each of
+    _get_param_groups' groups to a checkpoint's group. The optimizer itself allocates CUDA tensors in its
+    constructor, so it is not built here."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+    from megatron.core.optimizer import _get_param_groups
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    mpu.initialize_model_parallel(1, 1)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=256, max_sequence_length=32,
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+    trainable = {p for p in model.parameters() if p.requires_grad}
+    asks = {f"optimizer.state.{kind}.{sh.key}": tuple(sh.global_shape)
+            for sh in model.sharded_state_dict().values()
+            if isinstance(sh, ShardedTensor) and sh.data in trainable
+            for kind in ("fp32_param", "exp_avg", "exp_avg_sq")}
+    groups = _get_param_groups([model], McoreOptimizerConfig(optimizer="adam", lr=1e-3), None)
+    needed = [tuple(g[k] for k in param_group_identifier_keys) for g in groups]
+    mpu.destroy_model_parallel()
+    return {"asks": asks, "needed": needed, "identifiers": param_group_identifier_keys}
+
+
+@pytest.mark.timeout(120)
+def test_the_export_holds_what_megatron_cores_distributed_optimizer_asks_for(tmp_path):
+    where = export_megatron_dist(_job(3), MODEL, OPTIM, str(tmp_path / "save"), lr=1e-3, batch=8)
+    got = run_world(_mcore_optimizer_asks, 1, tmp_path, timeout_s=90)[0]
+    meta = FileSystemReader(where).read_metadata().state_dict_metadata
+    assert len(got["asks"]) == 16 * 3
+    for key, shape in got["asks"].items():
+        assert tuple(meta[key].size) == shape and meta[key].properties.dtype == torch.float32, key
+    common = torch.load(os.path.join(where, "common.pt"), weights_only=False)
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_sharded_model_space"
+    ours = {tuple(g[k] for k in got["identifiers"]) for g in common["optimizer"]["optimizer"]["param_groups"]}
+    assert len(got["needed"]) == 2 and set(got["needed"]) <= ours  # decay and no-decay groups both found
