@@ -26,10 +26,13 @@ config file is needed. The last line is the state's canonical digest, the
 ``--format torchtitan`` writes the whole job instead, as torchtitan's CheckpointManager saves it
 (``out_dir/step-N``; :mod:`megatier.interop.torchtitan_dcp`), for a ``model.arch=llama`` job;
 ``--format torch_dist`` as Megatron-LM saves a GPT-2-shaped one (``out_dir/iter_NNNNNNN`` and its tracker
-file; :mod:`megatier.interop.megatron_dist`).
+file; :mod:`megatier.interop.megatron_dist`); ``--format megatron_legacy`` as its torch format does
+(``out_dir/iter_NNNNNNN/mp_rank_TT/{model_optim_rng.pt,distrib_optim.pt}`` at ``--tp`` ranks;
+:mod:`megatier.interop.megatron_legacy`).
 
 Importing needs no command: ``model.init_from=<dir>`` starts training from
-such a directory, ``model.init_from=torchtitan:<folder>`` or ``torch_dist:<save dir>`` continues such a job.
+such a directory, ``model.init_from=torchtitan:<folder>``, ``torch_dist:<save dir>`` or
+``megatron_legacy:<save dir>`` continues such a job.
 
 Exit status: 0 exported; 1 nothing to export (no checkpoints, no such step,
 an output directory in use, bad arguments); 2 a unit has no good copy or a
@@ -65,6 +68,7 @@ from megatier.interop.hf_files import HFFormatError
 from megatier.interop.huggingface import export_hf
 from megatier.interop.job_state import JobFormatError, JobState
 from megatier.interop.megatron_dist import export_megatron_dist
+from megatier.interop.megatron_legacy import export_megatron_legacy
 from megatier.interop.torchtitan_dcp import export_torchtitan
 from megatier.optim.canonical import canonical_digest
 from megatier.optim.schedule import schedule_of
@@ -202,6 +206,9 @@ def _export_job(args: argparse.Namespace, rebuilt: Rebuilt, step: int, m: ModelC
     job = JobState(rebuilt.canonical, step, rebuilt.adam_steps, consumed_tokens=tokens)
     if args.format == "torchtitan":
         export_torchtitan(job, m, o, args.out_dir, lr)
+    elif args.format == "megatron_legacy":
+        job.consumed_samples = step * batch if batch else None
+        export_megatron_legacy(job, m, o, args.out_dir, lr, tp=args.tp)
     else:
         export_megatron_dist(job, m, o, args.out_dir, lr, batch)
 
@@ -231,10 +238,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--tier", action="append", choices=TIER_ORDER, default=None,
                    help="read only this tier (repeatable; default: all): tier1 own areas, tier2 replica areas, "
                         "tier3 committed remote units")
-    e.add_argument("--format", choices=("hf", "torchtitan", "torch_dist"), default="hf",
+    e.add_argument("--format", choices=("hf", "torchtitan", "torch_dist", "megatron_legacy"), default="hf",
                    help="hf: a Hugging Face directory (weights); torchtitan: the whole job as torchtitan's DCP "
                         "checkpoint folder (out_dir/step-N: weights, AdamW state, step, LR scheduler, tokens seen); "
-                        "torch_dist: the whole GPT-2 job as Megatron-LM's --save directory (out_dir/iter_N)")
+                        "torch_dist: the whole GPT-2 job as Megatron-LM's --save directory (out_dir/iter_N); "
+                        "megatron_legacy: the same in Megatron-LM's torch format (mp_rank_TT, distrib_optim.pt)")
+    e.add_argument("--tp", type=int, default=1,
+                   help="megatron_legacy: tensor-parallel ranks to write (mp_rank_00, ...; it must divide the heads)")
     e.add_argument("--data-prefix", default=None,
                    help="the run's data.prefix: adds its tokenizer (BPE files, eos id); checked against the job's")
     e.add_argument("--run-dir", default=None,
