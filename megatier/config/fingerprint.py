@@ -16,8 +16,9 @@ file, the batch sizes, seed and precision. Not included: ``train.iters`` (a
 resumed run may train longer), evaluation, logging, devices, threads, paths
 (``model.init_from`` too: it sets the state of step 0, which a restore replaces),
 the libraries that compute the same function (``model.impl``,
-``model.layernorm_impl``, ``optim.grad_norm_impl``: the state's names and shapes
-do not depend on them) and the checkpoint settings themselves.
+``model.layernorm_impl``, ``model.compile`` and its backend, ``optim.grad_norm_impl``:
+the state's names and shapes do not depend on them) and the checkpoint settings
+themselves.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
         fp["data.train_samples"] = json.dumps(megatron_sample_counts(t, d.train_samples)["train"])
     fp.pop("model.name")  # a preset's label, not a shape
     fp.pop("model.init_from")  # a path that seeds step 0 only; a restore replaces what it set
-    for key in ("model.impl", "model.layernorm_impl", "optim.grad_norm_impl"):
+    for key in ("model.impl", "model.layernorm_impl", "model.compile", "model.compile_backend", "optim.grad_norm_impl"):
         fp.pop(key)  # which library computes the same function: a relaunch may switch it
     fp.pop("optim.use_checkpoint_scheduler")  # how a resume treats the recorded schedule, not a state
     for key, default in ADDED_LATER.items():  # at the value that trains as before they existed: not recorded

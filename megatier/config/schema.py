@@ -21,6 +21,7 @@ def require(ok: bool, message: str) -> None:
 
 ARCHS = ("gpt2", "llama")
 RECOMPUTE = ("none", "selective", "full")
+COMPILE_BACKENDS = ("inductor", "aot_eager")  # model.compile_backend
 ROUTER_NORMS = ("topk_softmax", "softmax_topk")
 
 
@@ -98,6 +99,13 @@ class ModelConfig:
     # probabilities recomputed in the backward); "full" (each block keeps only its input). The dropout masks are
     # drawn again identically, so the gradients are those of "none".
     recompute: str = "none"
+    # torch.compile of each transformer block (regional compilation: megatier.model.compile), in place, so names,
+    # checkpoints and digests are an eager run's; a relaunch may switch it. Off by default: on the CPU it costs
+    # compile time for little or no gain; turn it on for GPU runs, where it fuses the blocks' elementwise work.
+    compile: bool = False
+    # The compiler: "inductor" (generated kernels; fp32 results equal to eager's within rounding) or "aot_eager"
+    # (traced, run as eager ops: bitwise an eager run, no speed-up; checks that the model compiles).
+    compile_backend: str = "inductor"
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self):

@@ -16,6 +16,7 @@ from typing import Optional
 from megatier.config.fast_path_validation import check_fast_path_config
 from megatier.config.schema import (
     ARCHS,
+    COMPILE_BACKENDS,
     LR_DECAY_STYLES,
     RECOMPUTE,
     ROUTER_NORMS,
@@ -43,6 +44,8 @@ class ConfigWarning(UserWarning):
 def _validate_arch(m: ModelConfig, tp: int) -> None:
     _require(m.arch in ARCHS, f"model.arch={m.arch!r} must be one of {', '.join(ARCHS)}")
     _require(m.recompute in RECOMPUTE, f"model.recompute={m.recompute!r} must be one of {', '.join(RECOMPUTE)}")
+    _require(m.compile_backend in COMPILE_BACKENDS, f"model.compile_backend={m.compile_backend!r} must be one of "
+                                                    f"{', '.join(COMPILE_BACKENDS)}")
     if m.arch != "llama":
         _require(m.num_query_groups is None, f"model.num_query_groups={m.num_query_groups} is for model.arch=llama "
                                              f"(grouped-query attention); unset it for {m.arch}")

@@ -30,6 +30,7 @@ from torch import nn
 from megatier.config import ModelConfig
 from megatier.config.schema import ffn_size, is_moe_layer
 from megatier.model import te_layers
+from megatier.model.compile import compile_blocks
 from megatier.model.fused import fused_layer_norm
 from megatier.model.llama import LlamaBlock, RMSNorm, rotary_tables
 from megatier.model.moe import RouterMetrics, moe_layers, router_losses
@@ -189,6 +190,8 @@ class GPTStage(nn.Module):
                 self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
                 mark_partition(self.pos.weight, None)
         self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout, sp, i) for i in spec.layers})
+        if cfg.compile:
+            compile_blocks(self.layers, cfg.compile_backend)
         if spec.is_last:
             self.final_norm = _layer_norm(cfg, sp)
             if not (spec.is_first and self.tied):
