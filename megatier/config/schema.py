@@ -143,6 +143,11 @@ class ParallelConfig:
     # it after. The same loss and gradients, and tp times less activation memory outside the linears. No
     # effect at tp=1.
     sequence_parallel: bool = False
+    # Expert parallelism: model.moe's routed experts split over this many ranks of each data-parallel group
+    # (num_experts / ep experts each; tokens dispatched to their experts' ranks and back by all-to-all); must
+    # divide the data-parallel degree and model.moe.num_experts. Expert optimizer state is sharded over the
+    # dp / ep ranks that hold the same experts. 1: every rank holds every expert.
+    ep: int = 1
     # Seconds any collective may take before the run fails instead of hanging.
     timeout_s: float = 600.0
 

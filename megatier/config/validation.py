@@ -63,6 +63,19 @@ def _validate_arch(m: ModelConfig, tp: int) -> None:
                                            f"RMSNorm has model.layernorm_impl=native")
 
 
+def _validate_expert_parallel(ep: int, num_experts: int, dp: Optional[int]) -> None:
+    _require(ep >= 1, f"parallel.ep={ep} must be >= 1 (1: every rank holds every expert)")
+    if ep == 1:
+        return
+    _require(num_experts > 0, f"parallel.ep={ep} splits routed experts, but the model has none; set "
+                              f"parallel.ep=1 or model.moe.num_experts > 0")
+    _require(num_experts % ep == 0, f"parallel.ep={ep} does not divide model.moe.num_experts={num_experts}; use an "
+                                    f"ep that divides the expert count")
+    _require(dp is None or dp % ep == 0, f"parallel.ep={ep} does not divide the data-parallel degree {dp} (world "
+                                         f"size / parallel.tp / parallel.pp); use an ep that divides it or launch "
+                                         f"more processes")
+
+
 def _validate_moe(m: ModelConfig, tp: int, pp: int) -> None:
     e = m.moe
     _require(e.num_experts >= 0, f"model.moe.num_experts={e.num_experts} must be >= 0 (0: a dense model)")
@@ -338,6 +351,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
             f"launch a multiple of {p.tp * p.pp} processes or change the layout",
         )
         dp = p.dp(world_size)
+    _validate_expert_parallel(p.ep, cfg.model.moe.num_experts, dp)
     _validate_model(cfg.model, p.tp, p.pp)
     _validate_train(cfg.train, dp)
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)

@@ -118,7 +118,7 @@ class Block(nn.Module):
 
 
 def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDropout",
-           sequence_parallel: bool, layer: int) -> nn.Module:
+           sequence_parallel: bool, layer: int, ep_group: dist.ProcessGroup | None = None) -> nn.Module:
     """Global layer ``layer``'s transformer block of ``model.arch`` and ``model.impl``: native, or on Transformer
     Engine's layers with the same parameter names (``te_layers.TEBlock``); llama's a mixture of experts where
     model.moe puts one."""
@@ -126,7 +126,8 @@ def _block(cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: "HiddenDr
         te_block = te_layers.TELlamaBlock if cfg.arch == "llama" else te_layers.TEBlock
         return te_block(cfg, group, hidden_dropout)
     if cfg.arch == "llama":
-        return LlamaBlock(cfg, group, hidden_dropout, sequence_parallel, moe=is_moe_layer(cfg, layer))
+        return LlamaBlock(cfg, group, hidden_dropout, sequence_parallel, moe=is_moe_layer(cfg, layer),
+                          ep_group=ep_group)
     return Block(cfg, group, hidden_dropout, sequence_parallel)
 
 
@@ -168,10 +169,12 @@ class GPTStage(nn.Module):
     rows, of which this rank holds [vocab_start, vocab_start + padded / tp).
 
     ``fp8`` (train.precision=fp8, model.impl=te): the layers run under Transformer Engine's fp8 autocast.
+    ``ep_group`` (parallel.ep > 1): the expert-parallel group; its MoE layers hold this rank's share of the experts.
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, spec: StageSpec, *, tp_group: dist.ProcessGroup,
-                 dropout_generator: torch.Generator, fp8: bool = False, sequence_parallel: bool = False):
+                 dropout_generator: torch.Generator, fp8: bool = False, sequence_parallel: bool = False,
+                 ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         if fp8 and cfg.impl != "te":
             raise ValueError("fp8 runs Transformer Engine's layers in fp8: it needs model.impl=te")
@@ -189,7 +192,7 @@ class GPTStage(nn.Module):
             if cfg.arch == "gpt2":
                 self.pos = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
                 mark_partition(self.pos.weight, None)
-        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout, sp, i) for i in spec.layers})
+        self.layers = nn.ModuleDict({str(i): _block(cfg, tp_group, dropout, sp, i, ep_group) for i in spec.layers})
         if cfg.compile:
             compile_blocks(self.layers, cfg.compile_backend)
         if spec.is_last:

@@ -141,13 +141,13 @@ class LlamaBlock(nn.Module):
     """Attention, then the SwiGLU MLP (``mlp``) or, with ``moe``, a mixture of experts (``moe``)."""
 
     def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, hidden_dropout: nn.Module,
-                 sequence_parallel: bool = False, moe: bool = False):
+                 sequence_parallel: bool = False, moe: bool = False, ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         self.ln1 = RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)
         self.attn = LlamaAttention(cfg, group, sequence_parallel)
         self.ln2 = RMSNorm(cfg.hidden_size, cfg.norm_eps, sequence_parallel)
         if moe:
-            self.moe = MoELayer(cfg, group, sequence_parallel)
+            self.moe = MoELayer(cfg, group, sequence_parallel, ep_group)
         else:
             self.mlp = SwiGLU(cfg, group, sequence_parallel)
         self.hidden_dropout = hidden_dropout

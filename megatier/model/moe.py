@@ -14,8 +14,13 @@ Per MoE layer the dense MLP is replaced by (names without the ``layers.<i>.`` pr
 Routing (the function transformers' Mixtral and Qwen2-MoE compute): p = softmax(router logits) over all experts;
 each token goes to the top_k experts of p, weighted by their p renormalized to sum 1 ("topk_softmax", equal to a
 softmax over the top-k logits) or as they are ("softmax_topk" without ``router_renormalize``). Dropless: every
-token reaches all its experts; each expert runs once on the tokens routed to it (grouped by a stable sort), and
-experts no token chose run on none, so every parameter takes part in every step.
+token reaches all its experts; each expert runs on the tokens routed to it (grouped by a stable sort; once per
+source rank under expert parallelism), and experts no token chose run on none, so every parameter takes part
+in every step.
+
+Expert parallelism (``parallel.ep``; ``ep_group``): each rank holds num_experts / ep experts, named by their
+global index; the tokens go to their experts' ranks and back by all-to-all (megatier.parallel.expert_dispatch),
+inside the tensor-parallel region below (each tp rank exchanges with the same tp rank of the other ep ranks).
 
 Tensor parallelism: the experts see every token (under sequence parallelism the token slices are gathered
 first); each tp rank computes its slice of every expert's hidden units, and the weighted partial outputs are
@@ -37,6 +42,7 @@ from torch import nn
 
 from megatier.config import ModelConfig
 from megatier.config.schema import expert_ffn_size
+from megatier.parallel.expert_dispatch import dispatch_to_experts, local_experts
 from megatier.parallel.layers import mark_partition
 from megatier.parallel.mappings import (
     copy_to_region,
@@ -102,36 +108,48 @@ class Router(nn.Module):
         return weights.to(tokens.dtype), expert_ids, RouterStats(slots, probs.sum(dim=0), z_sum, tokens.shape[0])
 
 
-class Experts(nn.ModuleList):
-    """The routed experts' computation, dropless: the one place an expert-parallel dispatcher is to wrap (its
-    input: every token this rank's experts serve, with their expert ids and weights)."""
+class Experts(nn.Module):
+    """The routed experts this rank holds (all of them, or its ep rank's share under ``parallel.ep``), named by
+    their global index (``experts.<e>.``) in every layout, and their dropless computation
+    (megatier.parallel.expert_dispatch)."""
 
-    def __init__(self, cfg: ModelConfig, tp: int):
-        super().__init__(ExpertMLP(cfg.hidden_size, expert_ffn_size(cfg), tp) for _ in range(cfg.moe.num_experts))
+    def __init__(self, cfg: ModelConfig, tp: int, ep_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        self.num_experts, self.ep_group = cfg.moe.num_experts, ep_group
+        ep, ep_rank = (dist.get_world_size(ep_group), dist.get_rank(ep_group)) if ep_group is not None else (1, 0)
+        for e in local_experts(self.num_experts, ep, ep_rank):
+            expert = ExpertMLP(cfg.hidden_size, expert_ffn_size(cfg), tp)
+            for param in expert.parameters():
+                param.expert_index = e  # its own region of the flat buffer (megatier.optim.flat.FlatLayout)
+            self.add_module(str(e), expert)
+
+    def __getitem__(self, e: int) -> ExpertMLP:
+        """Global expert ``e`` (one this rank holds)."""
+        return self._modules[str(e)]
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
 
     def forward(self, tokens: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """tokens (n, h), expert_ids and weights (n, k) -> sum over k of weight * expert(token), (n, h)."""
-        k = expert_ids.shape[-1]
-        slots = torch.argsort(expert_ids.flatten(), stable=True)  # (token, choice) slots grouped by expert
-        counts = torch.bincount(expert_ids.flatten(), minlength=len(self)).tolist()
-        out = torch.zeros_like(tokens)
-        for expert, group in zip(self, slots.split(counts)):
-            rows = group // k
-            y = expert(tokens[rows]) * weights.flatten()[group].unsqueeze(-1)
-            out.index_add_(0, rows, y)
-        return out
+        return dispatch_to_experts(tokens, expert_ids, weights, lambda e, x: self[e](x), self.num_experts,
+                                   self.ep_group)
 
 
 class MoELayer(nn.Module):
     """The MLP of a mixture-of-experts layer: (b, s, h) -> (b, s, h) (this rank's tokens (b, s/tp, h) under
     sequence parallelism). Leaves its RouterStats in ``route_stats`` for the stage's router losses."""
 
-    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool = False,
+                 ep_group: dist.ProcessGroup | None = None):
         super().__init__()
         tp = dist.get_world_size(group)
         self.group, self.sequence_parallel = group, sequence_parallel
         self.router = Router(cfg, sequence_parallel)
-        self.experts = Experts(cfg, tp)
+        self.experts = Experts(cfg, tp, ep_group)
         self.shared = None
         if cfg.moe.shared_expert_hidden_size:
             self.shared = ExpertMLP(cfg.hidden_size, cfg.moe.shared_expert_hidden_size, tp)

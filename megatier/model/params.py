@@ -136,7 +136,8 @@ def tp_split(name: str) -> tuple[int | None, int]:
 def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list[ParamSpec]:
     """The parameters of ``GPTStage(cfg, vocab_size, spec)`` in its order (the flat buffer's), with this tp rank's
     shapes, without building it: what a size plan needs for a model that does not fit here. Equal to the
-    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape, copy_of) (tested)."""
+    stage's own (name, shape, tp_partition_dim, tp_partition_stride, full_shape, copy_of, expert_index) at ep=1
+    (tested); its shards are those of every ep (megatier.optim.flat.FlatLayout)."""
     full = canonical_shapes(cfg, vocab_size)
     copies = copies_of(cfg)
     tied = cfg.arch == "gpt2"
@@ -157,7 +158,9 @@ def stage_parameters(cfg: ModelConfig, vocab_size: int, spec: StageSpec) -> list
         shape = [padded, *full_shape[1:]] if name in VOCAB_PARAMS else list(full_shape)
         if tp_dim is not None:
             shape[tp_dim] //= spec.tp
-        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape, copies.get(name, "")))
+        expert = re.search(r"\.experts\.(\d+)\.", name)
+        out.append(ParamSpec(name, tuple(shape), tp_dim, stride, full_shape, copies.get(name, ""),
+                             int(expert.group(1)) if expert else -1))
     return out
 
 

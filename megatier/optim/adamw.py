@@ -1,8 +1,8 @@
 """DistributedAdamW: ZeRO-1 AdamW over flat fp32 shards.
 
 Each dp rank owns one contiguous range of its model stage's flat parameter
-space (``FlatLayout.shard_range``) and keeps, for that range only, fp32 master
-weights and both Adam moments. A step reduce-scatters the gradients, unscales
+space (and one of its routed experts' region: ``FlatLayout.shard_ranges``) and
+keeps, for those ranges only, fp32 master weights and both Adam moments. A step reduce-scatters the gradients, unscales
 and clips them with the true global norm, applies ``megatier.ops.adamw_step``
 to the shard and all-gathers the parameters.
 
@@ -60,14 +60,15 @@ class StepStats:
 class DistributedAdamW:
     def __init__(self, cfg: OptimConfig, layout: FlatLayout, param_flat: torch.Tensor, grads: GradBuffer, *,
                  dp_rank: int, dp_group: dist.ProcessGroup, norm_group: dist.ProcessGroup,
-                 schedule: LRSchedule, scaler: Optional[DynamicLossScaler] = None):
+                 schedule: LRSchedule, scaler: Optional[DynamicLossScaler] = None,
+                 expert_dp_group: Optional[dist.ProcessGroup] = None):
         self.cfg, self.layout, self.param_flat, self.grads = cfg, layout, param_flat, grads
         self.dp_rank, self.dp_group, self.norm_group = dp_rank, dp_group, norm_group
+        self.expert_dp_group = expert_dp_group  # routed experts' shards (parallel.ep > 1)
         self.schedule, self.scaler = schedule, scaler
         self.shard_segments = layout.shard_segments(dp_rank)
-        lo, hi = layout.shard_range(dp_rank)
-        self._param_shard = param_flat[lo:hi]
-        self.master = self._param_shard.detach().float().clone()
+        self._param_shards = [param_flat[lo:hi] for lo, hi in layout.shard_ranges(dp_rank)]
+        self.master = torch.cat([p.detach().float() for p in self._param_shards])
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.decay_ranges = ranges_tensor(self.shard_segments, "decay")
@@ -134,12 +135,17 @@ class DistributedAdamW:
         return StepStats(lr, norm, False, scale)
 
     def publish_params(self, *, step_wait: bool = False) -> None:
-        """Copy the master shard into the model's parameters on every dp rank; ``step_wait``: a training step's
-        all-gather (its time counts as ``dp_param_wait_ms``), not a restore's."""
-        self._param_shard.copy_(self.master)
-        if self.layout.dp > 1:
-            with self.grads.clock.timing("dp_param_wait_ms") if step_wait else nullcontext():
-                all_gather_flat(self.param_flat, self._param_shard.clone(), self.dp_group)
+        """Copy the master shard into the model's parameters on every dp rank (routed experts' on every rank of
+        their expert-data-parallel group); ``step_wait``: a training step's all-gather (its time counts as
+        ``dp_param_wait_ms``), not a restore's."""
+        groups = [(self.dp_group, self.layout.dp), (self.expert_dp_group or self.dp_group, self.layout.edp)]
+        regions = [self.param_flat[:self.layout.dense_numel], self.param_flat[self.layout.dense_numel:]]
+        for mine, master, region, (group, size) in zip(self._param_shards, self.master.split(
+                [p.numel() for p in self._param_shards]), regions, groups):
+            mine.copy_(master)
+            if size > 1:
+                with self.grads.clock.timing("dp_param_wait_ms") if step_wait else nullcontext():
+                    all_gather_flat(region, mine.clone(), group)
 
     def take_wait_ms(self) -> dict[str, float]:
         """The data-parallel communication the steps since the last call waited for, in ms: the gradient

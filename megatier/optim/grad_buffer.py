@@ -2,8 +2,9 @@
 
 Every parameter's gradient is accumulated (across micro-batches) into an fp32
 view of one flat buffer laid out exactly like the parameter buffer. After the
-last micro-batch the buffer is averaged over dp with one reduce-scatter, which
-leaves each dp rank the gradient of the shard its ZeRO-1 optimizer owns.
+last micro-batch the buffer is averaged over dp with one reduce-scatter (two
+with routed experts: theirs over the expert-data-parallel group), which leaves
+each dp rank the gradient of the shard its ZeRO-1 optimizer owns.
 
 The reduction is deliberately one reduce-scatter after backward, not bucketed
 and overlapped: each dp rank owns one contiguous range of the whole flat space
@@ -15,6 +16,8 @@ The reduce-scatter is timed on :attr:`GradBuffer.clock` (``dp_grad_wait_ms``): a
 nothing else runs while it does.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -28,9 +31,11 @@ from megatier.optim.wait_clock import WaitClock
 class GradBuffer:
     """fp32 main gradients; ``param.grad`` is folded in and released after each backward."""
 
-    def __init__(self, module: nn.Module, layout: FlatLayout, device: torch.device, *, dp_group: dist.ProcessGroup):
+    def __init__(self, module: nn.Module, layout: FlatLayout, device: torch.device, *, dp_group: dist.ProcessGroup,
+                 expert_dp_group: Optional[dist.ProcessGroup] = None):
         self.layout = layout
         self.dp_group = dp_group
+        self.expert_dp_group = expert_dp_group  # the expert region's (parallel.ep > 1; else the dp group's)
         self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         self.clock = WaitClock(device)  # data-parallel communication the step waits for (also the optimizer's)
         self._hooks = []
@@ -60,16 +65,27 @@ class GradBuffer:
             dist.all_reduce(self.view_of(name), group=group)
 
     def reduce_scatter_mean(self, dp_rank: int) -> torch.Tensor:
-        """Average over dp and return this rank's shard (a fresh tensor the optimizer may modify)."""
+        """Average over dp and return this rank's shard (a fresh tensor the optimizer may modify). A routed
+        expert's gradient already sums the tokens of its whole ep group (they were dispatched to it), so the
+        expert region is divided by dp too and summed over the expert-data-parallel group only."""
         dp = self.layout.dp
-        lo, hi = self.layout.shard_range(dp_rank)
         if dp == 1:
-            return self.flat[lo:hi].clone()
-        shard = torch.empty(self.layout.shard_size, dtype=torch.float32, device=self.flat.device)
+            return torch.cat([self.flat[lo:hi] for lo, hi in self.layout.shard_ranges(dp_rank)])
         self.flat.div_(dp)
-        with self.clock.timing("dp_grad_wait_ms"):
-            reduce_scatter_flat(shard, self.flat, self.dp_group)
-        return shard
+        dense = self.layout.dense_numel
+        regions = [(self.flat[:dense], self.dp_group, dp)]
+        if self.layout.expert_shard_size:
+            regions.append((self.flat[dense:], self.expert_dp_group or self.dp_group, self.layout.edp))
+        shards = []
+        for (full, group, size), (lo, hi) in zip(regions, self.layout.shard_ranges(dp_rank)):
+            if size == 1:
+                shards.append(self.flat[lo:hi].clone())
+                continue
+            shard = torch.empty(hi - lo, dtype=torch.float32, device=self.flat.device)
+            with self.clock.timing("dp_grad_wait_ms"):
+                reduce_scatter_flat(shard, full, group)
+            shards.append(shard)
+        return shards[0] if len(shards) == 1 else torch.cat(shards)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -76,6 +76,13 @@ class ParallelState(Layout):
     checkpoint_group: dist.ProcessGroup = field(repr=False)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     node_names: tuple[str, ...] = ()  # every node of the job, in ring order
+    # Expert parallelism (parallel.ep; :func:`expert_coordinates`): this rank's ep rank, the group its tokens are
+    # dispatched over and the group its experts' shards are reduced over; both None at ep=1 (the dp group then
+    # holds every expert).
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
+    expert_dp_group: Optional[dist.ProcessGroup] = field(default=None, repr=False)
 
     @property
     def is_first_stage(self) -> bool:
@@ -101,7 +108,8 @@ class ParallelState(Layout):
         )
 
 
-_GROUP_ROLES = ("tp_group", "pp_group", "dp_group", "embedding_group", "world_group", "checkpoint_group")
+_GROUP_ROLES = ("tp_group", "pp_group", "dp_group", "embedding_group", "world_group", "checkpoint_group", "ep_group",
+                "expert_dp_group")
 
 
 def detach_groups(holders, state: ParallelState) -> list[tuple[object, str, str]]:
@@ -150,7 +158,14 @@ def _ring_peers(rank: int, identities: list[tuple[str, int]]) -> tuple[list[str]
     return nodes, holder, owner
 
 
-def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.device) -> ParallelState:
+def expert_coordinates(dp_rank: int, dp: int, ep: int) -> tuple[int, int]:
+    """(ep rank, expert-data-parallel rank) of data-parallel rank ``dp_rank``: dp_rank = ep_rank * (dp / ep) +
+    expert-dp rank, so an ep group takes every (dp / ep)-th dp rank and each rank's expert shard covers the same
+    elements under every ep (megatier.optim.flat.FlatLayout)."""
+    return dp_rank // (dp // ep), dp_rank % (dp // ep)
+
+
+def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.device, ep: int = 1) -> ParallelState:
     """Create every process group of the layout. All ranks must call this in the same order."""
     if not dist.is_initialized():
         raise RuntimeError("build_parallel_state needs torch.distributed initialised (see init_process_group)")
@@ -161,6 +176,9 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
             f"launch a multiple of {tp * pp} processes"
         )
     dp = world_size // (tp * pp)
+    if dp % ep != 0:
+        raise ValueError(f"parallel.ep={ep} does not divide the data-parallel degree {dp} (world size {world_size} "
+                         f"/ tp={tp} / pp={pp}); launch a multiple of {tp * pp * ep} processes or lower parallel.ep")
     timeout = timedelta(seconds=timeout_s)
     tp_rank, dp_rank, pp_rank = coordinates_of(rank, tp=tp, dp=dp)
 
@@ -182,6 +200,13 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
     embedding_group = None
     if pp > 1:
         embedding_group = make_groups([[coords(t, d, 0), coords(t, d, pp - 1)] for d in range(dp) for t in range(tp)])
+    ep_group = expert_dp_group = None
+    if ep > 1:
+        edp = dp // ep
+        ep_group = make_groups([[coords(t, i * edp + j, p) for i in range(ep)]
+                                for p in range(pp) for t in range(tp) for j in range(edp)])
+        expert_dp_group = make_groups([[coords(t, i * edp + j, p) for j in range(edp)]
+                                       for p in range(pp) for t in range(tp) for i in range(ep)])
     world_group = dist.new_group(list(range(world_size)), timeout=timeout)
     checkpoint_group = dist.new_group(list(range(world_size)), timeout=timeout, backend="gloo")
 
@@ -196,4 +221,5 @@ def build_parallel_state(tp: int, pp: int, timeout_s: float, device: torch.devic
         replica_holder_rank=holder, replica_owner_rank=owner,
         tp_group=tp_group, pp_group=pp_group, dp_group=dp_group, embedding_group=embedding_group,
         world_group=world_group, checkpoint_group=checkpoint_group, device=device, node_names=tuple(nodes),
+        ep=ep, ep_rank=expert_coordinates(dp_rank, dp, ep)[0], ep_group=ep_group, expert_dp_group=expert_dp_group,
     )

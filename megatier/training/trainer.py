@@ -103,7 +103,7 @@ class Trainer(InPlaceRecovery):
         store = self.membership.process_group_store() if self.membership is not None else None
         init_process_group("nccl" if self.device.type == "cuda" else "gloo", self.cfg.parallel.timeout_s, store)
         p = self.cfg.parallel
-        self.ps: ParallelState = build_parallel_state(p.tp, p.pp, p.timeout_s, self.device)
+        self.ps: ParallelState = build_parallel_state(p.tp, p.pp, p.timeout_s, self.device, p.ep)
 
     def _build_components(self) -> None:
         """Everything the current world's layout shapes: data, model, optimizer, guards, rank 0's logger and
@@ -164,16 +164,17 @@ class Trainer(InPlaceRecovery):
         spec = stage_spec(m, tp=ps.tp, pp=ps.pp, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
         # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
         self.dropout_generator = gen = torch.Generator(device=self.device)
-        model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen,
+        model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen, ep_group=ps.ep_group,
                          fp8=self.cfg.train.precision == "fp8", sequence_parallel=self.cfg.parallel.sequence_parallel)
         self.sequence_parallel_params = [n for n, p in model.named_parameters()
                                          if getattr(p, "sequence_parallel", False)]
         init_weights(model, self.cfg.train.seed)
         init_weights_from(model, m, vocab, ps.rank)  # a Hugging Face model.init_from: before flattening
         self.model = model.to(device=self.device, dtype=DTYPES[self.cfg.train.precision])
-        self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank)
+        self.layout = FlatLayout.from_module(self.model, ps.dp, tp_rank=ps.tp_rank, ep=ps.ep)
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
-        self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group)
+        self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group,
+                                expert_dp_group=ps.expert_dp_group)
         self.comm = None
         if ps.pp > 1:
             self.comm = PipelineComm(group=ps.pp_group, dtype=DTYPES[self.cfg.train.precision], device=self.device)
@@ -181,12 +182,11 @@ class Trainer(InPlaceRecovery):
     def _build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
         schedule = schedule_of(o, t.iters, t.global_batch_size, self.batches.ramp)
-        scaler = None
-        if t.precision == "fp16":
-            scaler = DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)
+        scaler = (DynamicLossScaler(o.initial_loss_scale, o.min_loss_scale, o.loss_scale_window, o.hysteresis)
+                  if t.precision == "fp16" else None)
         self.optimizer = DistributedAdamW(o, self.layout, self.param_flat, self.grads, dp_rank=self.ps.dp_rank,
-                                          dp_group=self.ps.dp_group, norm_group=self.ps.world_group,
-                                          schedule=schedule, scaler=scaler)
+                                          dp_group=self.ps.dp_group, norm_group=self.ps.world_group, schedule=schedule,
+                                          scaler=scaler, expert_dp_group=self.ps.expert_dp_group)
 
     def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
         state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size,

@@ -57,3 +57,20 @@ def test_an_export_rebuilds_the_moe_config_from_the_fingerprint(compose_config):
     assert model.moe == cfg.model.moe and model.num_layers == cfg.model.num_layers
     dense, _ = run_configs(state_fingerprint(compose_config("model=llama_tiny"), ""))
     assert dense.moe.num_experts == 0
+
+
+@pytest.mark.parametrize("overrides,world,named", [
+    (("parallel.ep=3",), 3, "model.moe.num_experts=4"),  # 3 does not divide 4 experts
+    (("parallel.ep=4",), 2, "the data-parallel degree 2"),
+    (("parallel.ep=2", "model=llama_tiny"), 2, "parallel.ep=1 or model.moe.num_experts > 0"),
+    (("parallel.ep=0",), 1, "parallel.ep=0 must be >= 1"),
+])
+def test_expert_parallel_errors_name_the_field_and_the_fix(compose_config, overrides, world, named):
+    cfg = compose_config("model=tiny_moe", *overrides)
+    with pytest.raises(ConfigError, match=named) as err:
+        validate(cfg, world_size=world)
+    assert "parallel.ep=" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_ep2_validates_where_it_divides_dp_and_the_experts(compose_config):
+    validate(compose_config("model=tiny_moe", "parallel.ep=2"), world_size=2)

@@ -22,16 +22,16 @@ STAGES = {"whole": (range(3), True, True), "first": (range(2), True, False), "mi
 
 
 def _built(spec: StageSpec, cfg: ModelConfig = CFG) -> list[tuple]:
-    """(name, shape, tp_dim, stride, full_shape, copy_of) of a real GPTStage on tp ranks (the fake backend: no
-    traffic)."""
+    """(name, shape, tp_dim, stride, full_shape, copy_of, expert_index) of a real GPTStage on tp ranks (the fake
+    backend: no traffic)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=spec.tp_rank, world_size=spec.tp)
     try:
         with torch.device("meta"):
             model = GPTStage(cfg, VOCAB, spec, tp_group=dist.group.WORLD, dropout_generator=torch.Generator())
-        return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of)
-                for n, p in model.named_parameters()], model
+        return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of,
+                 getattr(p, "expert_index", -1)) for n, p in model.named_parameters()], model
     finally:
         dist.destroy_process_group()
 
