@@ -3,9 +3,10 @@
 The manager and recovery talk to other ranks only through a
 :class:`CheckpointComm`: object and integer all-gathers (the inventory, status
 rounds, the watermark sync), point-to-point byte transfers (recovery's
-cascade) and a barrier (close). :class:`GroupComm` runs them on gloo groups
-with the job's timeout; :class:`SoloComm` is a world of one, so the policy and
-the recovery path can be tested with in-memory tiers and no process group.
+cascade, and the node leaders' exchange of its decision) and a barrier
+(close). :class:`GroupComm` runs them on gloo groups with the job's timeout;
+:class:`SoloComm` is a world of one, so the policy and the recovery path can
+be tested with in-memory tiers and no process group.
 
 Every wait is bounded (the group's timeout). A collective that does not
 complete names what it was (the caller's ``what``: operation and step) and the
@@ -27,7 +28,7 @@ import logging
 import queue
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -156,6 +157,12 @@ class CheckpointComm(abc.ABC):
     @abc.abstractmethod
     def recv(self, src: int) -> Optional[bytes]:
         """The bytes ``src`` sends (None when it had nothing)."""
+
+    @abc.abstractmethod
+    def exchange(self, outgoing: dict[int, bytes], sources: Iterable[int]) -> dict[int, bytes]:
+        """Send ``outgoing[dst]`` to each ``dst`` and receive one message from each of ``sources`` (never this
+        rank), all at once: unlike :meth:`send` and :meth:`recv` in turn, ranks that send to each other cannot
+        wait on each other."""
 
     @abc.abstractmethod
     def barrier(self, what: str = "a checkpoint barrier") -> None:
@@ -300,6 +307,24 @@ class GroupComm(CheckpointComm):
             self._wait(dist.irecv(buf, src=src, group=self.transfer, tag=_TAG_DATA), src)
         return buf.numpy().tobytes()
 
+    def exchange(self, outgoing: dict[int, bytes], sources: Iterable[int]) -> dict[int, bytes]:
+        pending = []  # (work, peer, the tensor it holds: alive until the work completes)
+        for dst, data in outgoing.items():
+            header = torch.tensor([len(data)], dtype=torch.int64)
+            pending.append((dist.isend(header, dst=dst, group=self.transfer, tag=_TAG_HDR), dst, header))
+            if data:
+                buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                pending.append((dist.isend(buf, dst=dst, group=self.transfer, tag=_TAG_DATA), dst, buf))
+        headers = {src: torch.zeros(1, dtype=torch.int64) for src in sources}
+        for src, header in headers.items():
+            self._wait(dist.irecv(header, src=src, group=self.transfer, tag=_TAG_HDR), src)
+        received = {src: torch.empty(int(header.item()), dtype=torch.uint8) for src, header in headers.items()}
+        receives = [(dist.irecv(buf, src=src, group=self.transfer, tag=_TAG_DATA), src, buf)
+                    for src, buf in received.items() if buf.numel()]
+        for work, peer, _ in receives + pending:
+            self._wait(work, peer)
+        return {src: buf.numpy().tobytes() for src, buf in received.items()}
+
     def barrier(self, what: str = "a checkpoint barrier") -> None:
         self._collective(what, lambda: dist.barrier(group=self.control))
 
@@ -337,6 +362,11 @@ class SoloComm(CheckpointComm):
 
     def recv(self, src: int) -> Optional[bytes]:
         raise RuntimeError(f"a world of one has no rank {src} to receive from")
+
+    def exchange(self, outgoing: dict[int, bytes], sources: Iterable[int]) -> dict[int, bytes]:
+        if outgoing or list(sources):
+            raise RuntimeError("a world of one has no other rank to exchange with")
+        return {}
 
     def barrier(self, what: str = "") -> None:
         pass

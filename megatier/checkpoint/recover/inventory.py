@@ -150,15 +150,18 @@ class Collected:
         return merge(self.rank_nodes, [it["shares"] for it in self.items], self.job, tiers)
 
 
-def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> tuple[list[str], Optional[Collected]]:
-    """Collective: settle and list what this rank should list and send it to rank 0, which decides for every
-    rank (:mod:`.plan`). Returns every rank's node, and on rank 0 what it collected (None elsewhere).
+def node_names(comm: CheckpointComm, node: str) -> list[str]:
+    """Collective: every rank's node (a few bytes per rank, on every rank: transfers need them)."""
+    return comm.gather(node, what="the recovery inventory (node names)")
 
-    Two exchanges: the node names (a few bytes per rank, on every rank: transfers need them), then every
-    rank's share of its node's listings (:func:`share_of`) gathered on rank 0 only. Rank 0 lists the
-    job-scope tier itself. So a rank other than 0 receives O(world) bytes of node names and holds none of
-    the other ranks' listings."""
-    rank_nodes = comm.gather(node, what="the recovery inventory (node names)")
+
+def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str, rank_nodes: list[str]
+                   ) -> Optional[Collected]:
+    """Collective: settle and list what this rank should list and send it to rank 0, which decides for every
+    rank (:mod:`.plan`). Returns on rank 0 what it collected (None elsewhere).
+
+    Every rank's share of its node's listings (:func:`share_of`) is gathered on rank 0 only; rank 0 lists
+    the job-scope tier itself. So a rank other than 0 holds none of the other ranks' listings."""
     mates = [r for r, n in enumerate(rank_nodes) if n == node]
     shares: dict[str, Listing] = {}
     job: dict[str, Listing] = {}
@@ -175,7 +178,7 @@ def take_inventory(comm: CheckpointComm, tiers: Sequence[Tier], node: str) -> tu
     except Exception as e:  # an unreadable area or an unreachable Tier-3 must stop every rank, not only this one
         fatal = f"inventory on {node} failed: {type(e).__name__}: {e}"
     items = comm.collect({"shares": shares, "fatal": fatal}, what="the recovery inventory (node memory)")
-    return rank_nodes, (Collected(rank_nodes, items, job) if items is not None else None)
+    return Collected(rank_nodes, items, job) if items is not None else None
 
 
 def last_step(inv: Inventory) -> Optional[int]:

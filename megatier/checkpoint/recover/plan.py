@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from megatier.checkpoint.comm import CheckpointComm
 from megatier.checkpoint.context import CheckpointContext
@@ -60,6 +60,7 @@ class RankPlan:
     adopted: dict = field(default_factory=dict)  # followed fingerprint keys -> the values recorded with V
     tier1_present: bool = False  # any node memory survived (the record's failure class)
     last_step: Optional[int] = None  # the newest step any rank reached (the record's steps lost)
+    decided_by: str = "rank 0"  # "nodes": from the node leaders' summaries (:mod:`.by_node`)
 
 
 @dataclass(frozen=True)
@@ -91,15 +92,18 @@ def coordinated(comm: CheckpointComm, decide_all: Optional[Callable[[], list[Ran
     return got
 
 
-def _reached(inv: Inventory) -> Optional[int]:
-    """The newest step the job reached before this restore: the progress keys, or the newest unit anywhere (a
-    launch that died before its first step left no progress key). None when no node memory survived: a rack
-    failure takes the progress keys with it, and Tier-3's units alone would make a launch that trained on look
-    like one that failed at once (a loop)."""
-    if last_step(inv) is None and not inv.has_copies(TIER1):
+def reached(last: Optional[int], tier1_held: bool, newest_unit: Optional[int]) -> Optional[int]:
+    """The newest step the job reached before this restore: the progress keys' newest (``last``), or the newest
+    unit anywhere (a launch that died before its first step left no progress key). None when no node memory
+    survived (no progress, nothing held in Tier-1): a rack failure takes the progress keys with it, and Tier-3's
+    units alone would make a launch that trained on look like one that failed at once (a loop)."""
+    if last is None and not tier1_held:
         return None
-    steps = [s for s in (last_step(inv), max((c.pid.last for c in inv.copies), default=None)) if s is not None]
-    return max(steps, default=None)
+    return max((s for s in (last, newest_unit) if s is not None), default=None)
+
+
+def _reached(inv: Inventory) -> Optional[int]:
+    return reached(last_step(inv), inv.has_copies(TIER1), max((c.pid.last for c in inv.copies), default=None))
 
 
 def passes_of(consensus: Consensus, rank_nodes: Sequence[str], degrees: tuple[int, int, int]
@@ -149,13 +153,18 @@ class Coordinator:
                       allow_fresh_start=allow_fresh_start and not self.fallback.level, looked=inv.looked(),
                       config=self._config(), last_resort=ctx.cfg.last_resort)
 
-    def first(self, allow_fresh_start: bool) -> list[RankPlan]:
-        """The plans of the point the restart-loop guard allows (:mod:`.loops`); RestoreLoop when none is left.
-        Merges the inventory first: a rank whose listing failed fails every rank."""
+    def merged(self) -> "Coordinator":
+        """Merge the inventory and read the restore history: a rank whose listing failed fails every rank."""
         self.inv = self.collected.inventory(self.ctx.tiers)
         self.history = with_failure(newest(self.inv.histories), _reached(self.inv))
         rule = self.ctx.reliability
         self.fallback = plan(self.history, rule.loop_window, rule.loop_limit)
+        return self
+
+    def first(self, allow_fresh_start: bool) -> list[RankPlan]:
+        """The plans of the point the restart-loop guard allows (:mod:`.loops`); RestoreLoop when none is left."""
+        self.merged()
+        rule = self.ctx.reliability
         if not self.fallback.level:
             if fresh_without(self.inv.unknown, self.inv.known_traces, self.ctx.job_id, allow_fresh_start):
                 return self.plans(None)
@@ -177,7 +186,10 @@ class Coordinator:
 
     def again(self, bad: set[Copy], why: str, fallbacks: list[str]) -> list[RankPlan]:
         """The plans of the consensus taken again without the ``bad`` copies (never a fresh start: the shards are
-        already partly overwritten)."""
+        already partly overwritten). Merges the inventory first when the first decision came from the node
+        summaries (:mod:`.by_node`)."""
+        if not self.inv.listings:
+            self.merged()
         log.warning("%s; taking the consensus again without the %d bad copies", why, len(bad))
         try:
             return self.plans(self._agree(bad, False))
@@ -193,6 +205,10 @@ class Coordinator:
         return cut(consensus, self.rank_nodes, self.ctx.layout.degrees, shared)
 
     def durable(self, version: int, bad: set[Copy]) -> Optional[int]:
-        """The newest base committed on Tier-3 at or before ``version`` whose copy there was not found bad."""
-        return max((c.pid.version for c in self.inv.copies if c.tier == TIER3 and c.pid.kind == BASE
-                    and c.pid.version <= version and c not in bad), default=None)
+        return durable_base(self.inv.copies, version, bad)
+
+
+def durable_base(copies: Iterable[Copy], version: int, bad: set[Copy]) -> Optional[int]:
+    """The newest base committed on Tier-3 at or before ``version`` whose copy there was not found bad."""
+    return max((c.pid.version for c in copies if c.tier == TIER3 and c.pid.kind == BASE
+                and c.pid.version <= version and c not in bad), default=None)

@@ -1,12 +1,16 @@
 """Recovery path: ``restore()`` before the training loop (TierCheck, arXiv:2605.17821, section 3.3).
 
-Collective over every rank, in four phases:
+Collective over every rank, in these phases:
 
-1. Inventory (:mod:`.inventory`): every tier's listing, gathered once on rank 0
-   and merged there.
-2. Consensus (:mod:`.consensus`): base V, end E, each rank's chain of units and
-   every usable copy of each unit, decided on rank 0, which sends each rank
-   only its own part (:mod:`.plan`).
+1. Decision from the node leaders' summaries (:mod:`.by_node`): each node's
+   leader lists its memory, rank 0 Tier-3; rank 0 agrees on V, E and every
+   owner's chain from their summaries, and the leaders route the copies and
+   cut their ranks' plans (:mod:`.plan`'s :class:`RankPlan`).
+2. Where that is not the common case (another layout, job or config, a lost
+   stage, a restore loop), or when the consensus is taken again without bad
+   copies: the whole inventory (:mod:`.inventory`), gathered on rank 0, which
+   decides the full consensus (:mod:`.consensus`) and sends each rank only
+   its own part (:mod:`.plan`).
 3. Cascade (:mod:`.cascade`): one round per position in the chains; each rank
    gets its unit from the cheapest tier that has a good copy.
 4. Replay: ``load_base``, one fused ``replay`` per unit (a diff batch or a
@@ -44,17 +48,17 @@ from typing import Any, Optional
 from megatier.checkpoint.context import CheckpointContext
 from megatier.checkpoint.format.chain import replay_ends
 from megatier.checkpoint.format.units import BASE, PayloadId
+from megatier.checkpoint.recover.by_node import decide_by_nodes, listed_here
 from megatier.checkpoint.recover.cascade import Exhausted, Fetcher, Reader
 from megatier.checkpoint.recover.checkfree import rebuild
 from megatier.checkpoint.recover.consensus import Consensus
-from megatier.checkpoint.recover.inventory import raise_fatal, take_inventory
+from megatier.checkpoint.recover.inventory import node_names, node_servers, raise_fatal, take_inventory
 from megatier.checkpoint.recover.loops import appended
-from megatier.checkpoint.recover.plan import Coordinator, RankPlan, coordinated
+from megatier.checkpoint.recover.plan import Coordinator, RankPlan, coordinated, durable_base
 from megatier.checkpoint.recover.record import recovery_record
 from megatier.checkpoint.recover.reshard import Rebuilder, describe, exchange, reshard_label
 from megatier.checkpoint.shard import ShardAccess
 from megatier.checkpoint.storage.store import StoreError
-from megatier.checkpoint.tiers.base import JOB
 from megatier.faults import CrashPoint
 
 
@@ -149,18 +153,12 @@ def _in_place(ctx: CheckpointContext, shard: ShardAccess, plan: RankPlan) -> set
     return in_place
 
 
-def _listed_here(ctx: CheckpointContext, servers: dict[str, int]) -> list:
-    """The tiers this rank lists (and cleans, and keeps the restore history on): Tier-3 on rank 0, node memory
-    on its node's server."""
-    return [t for t in ctx.tiers if (0 if t.scope == JOB else servers[ctx.node]) == ctx.rank]
-
-
 def _cleanup(ctx: CheckpointContext, servers: dict[str, int], end: int, corrupt: set) -> tuple[list[str], list[str]]:
     """Each tier's lister quarantines the units whose copies there failed their checks, and discards what could
     mix with the resumed run: units after E and leftovers. Returns (discarded, quarantined)."""
     gone: list[str] = []
     quarantined: list[str] = []
-    for tier in _listed_here(ctx, servers):
+    for tier in listed_here(ctx, servers):
         for pid in sorted({c.pid for c in corrupt if c.tier == tier.label}):
             reasons = sorted(f"rank {c.owner}" for c in corrupt if c.tier == tier.label and c.pid == pid)
             if tier.quarantine(pid, f"{pid} failed its checksum at restore ({', '.join(reasons)})") is not None:
@@ -170,16 +168,16 @@ def _cleanup(ctx: CheckpointContext, servers: dict[str, int], end: int, corrupt:
 
 
 def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: Fetcher, plan: RankPlan,
-                           coordinator: Optional[Coordinator], timings: list[float]
-                           ) -> tuple[Optional[dict], RankPlan]:
-    """Fetch and replay; when a rank runs out of good copies, rank 0 agrees again without the bad ones (a stage
-    whose every copy turned out bad is lost: :mod:`.checkfree` may rebuild it). Returns CheckFree's record (if
-    it ran) and the plan that was carried out."""
+                           whole: "_WholeInventory", timings: list[float]) -> tuple[Optional[dict], RankPlan]:
+    """Fetch and replay; when a rank runs out of good copies, rank 0 agrees again without the bad ones on the
+    whole inventory (a stage whose every copy turned out bad is lost: :mod:`.checkfree` may rebuild it).
+    Returns CheckFree's record (if it ran) and the plan that was carried out."""
     while True:
         try:
             return _fetch_and_replay(ctx, shard, fetcher, plan, timings), plan
         except Exhausted as e:
             ledger = fetcher.ledger
+            coordinator = whole.coordinator()
             decide_again = partial(coordinator.again, ledger.bad, str(e), ledger.fallbacks) if coordinator else None
             plan = coordinated(ctx.comm, decide_again, "the recovery plan without the bad copies")
             fetcher.consensus = plan.consensus
@@ -187,15 +185,35 @@ def _replay_with_fallbacks(ctx: CheckpointContext, shard: ShardAccess, fetcher: 
             fetcher.in_place = set()  # the end may have moved: every rank restores from the copies
 
 
+class _WholeInventory:
+    """Rank 0's Coordinator over the whole inventory, taken (collectively) the first time it is needed: at once
+    when the node summaries leave the decision to it, else only for a retry without bad copies."""
+
+    def __init__(self, ctx: CheckpointContext, rank_nodes: list[str]):
+        self.ctx, self.rank_nodes = ctx, rank_nodes
+        self.taken = False
+        self._coordinator: Optional[Coordinator] = None
+
+    def coordinator(self) -> Optional[Coordinator]:
+        if not self.taken:
+            self.taken = True
+            collected = take_inventory(self.ctx.comm, self.ctx.tiers, self.ctx.node, self.rank_nodes)
+            self._coordinator = Coordinator(self.ctx, collected) if collected is not None else None
+        return self._coordinator
+
+
 def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bool) -> Optional[RecoveryResult]:
     """Recover the newest state every rank can reach, or None for a fresh start; collective over all ranks."""
     t0 = time.perf_counter()
-    rank_nodes, collected = take_inventory(ctx.comm, ctx.tiers, ctx.node)
-    ctx.fault(CrashPoint.RECOVER_CONSENSUS, shard.live_version or 0)
+    rank_nodes = node_names(ctx.comm, ctx.node)
+    servers = node_servers(rank_nodes)
+    plan, listed = decide_by_nodes(ctx, rank_nodes, servers, allow_fresh_start, shard.live_version or 0)
     t_inventory = time.perf_counter() - t0
-    coordinator = Coordinator(ctx, collected) if collected is not None else None
-    plan = coordinated(ctx.comm, partial(coordinator.first, allow_fresh_start) if coordinator else None,
-                       "the recovery plan")
+    whole = _WholeInventory(ctx, rank_nodes)
+    if plan is None:
+        coordinator = whole.coordinator()
+        plan = coordinated(ctx.comm, partial(coordinator.first, allow_fresh_start) if coordinator else None,
+                           "the recovery plan")
     if plan.consensus is None:
         return None
     t_consensus = time.perf_counter() - t0
@@ -204,7 +222,7 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
     fetcher.in_place = _in_place(ctx, shard, plan)
     fetcher.ledger.fallbacks.extend(plan.notes)
     timings = [0.0, 0.0]
-    checkfree, plan = _replay_with_fallbacks(ctx, shard, fetcher, plan, coordinator, timings)
+    checkfree, plan = _replay_with_fallbacks(ctx, shard, fetcher, plan, whole, timings)
     consensus = fetcher.consensus
     try:
         (deleted, quarantined), fatal = _cleanup(ctx, fetcher.servers, consensus.end, fetcher.ledger.corrupt), None
@@ -212,14 +230,15 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
         deleted, quarantined = [], []
         fatal = f"cleanup after recovery failed: {e}; stale units could mix with the resumed run"
     ledger = fetcher.ledger
-    durable = coordinator.durable(consensus.version, ledger.bad) if coordinator is not None else None
+    coordinator = whole.coordinator() if whole.taken else None
+    durable = durable_base(coordinator.inv.copies if coordinator else listed, consensus.version, ledger.bad)
     final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "inventory_s": t_inventory,
                              "deleted": deleted, "quarantined": quarantined, "durable": durable},
                             what="the recovery cleanup")
     raise_fatal(final, "cleanup")
     record = _record(ctx, consensus, fetcher, plan, final, checkfree)
     history = appended(plan.history, version=consensus.version, end=consensus.end, level=plan.fallback.level)
-    keepers = _listed_here(ctx, fetcher.servers)
+    keepers = listed_here(ctx, fetcher.servers)
     for tier in keepers:
         tier.record_restores(history)
     return RecoveryResult(consensus.version, consensus.end, record, plan.adopted, history, keepers,
@@ -244,4 +263,5 @@ def _record(ctx: CheckpointContext, consensus: Consensus, fetcher: Fetcher, plan
     record["resharded"] = reshard_label(consensus.degrees, ctx.layout.degrees) if resharded else None
     record["adopted"] = plan.adopted
     record["fallback"] = plan.fallback.describe() if plan.fallback.level else None
+    record["decided_by"] = plan.decided_by
     return record  # its console line (record.say_recovered) waits for the launch's own failure class

@@ -78,3 +78,21 @@ def test_rank0_collects_every_item_and_each_rank_receives_only_its_own(tmp_path)
     assert [item["rank"] for item in results[0]["collected"]] == [0, 1, 2]
     assert results[1]["collected"] is None and results[2]["collected"] is None
     assert [res["plan"] for res in results] == ["plan of rank 0", "plan of rank 1", "plan of rank 2"]
+
+
+def _exchanged(rank: int) -> dict:
+    group = dist.new_group([0, 1, 2], timeout=timedelta(seconds=10), backend="gloo")
+    comm = GroupComm(group, group, timeout_s=10)
+    # Every rank sends to both others at once (each pair both ways: a blocking send first would wait on the
+    # other's blocking send); rank 2 sends rank 0 nothing (an empty message still arrives).
+    outgoing = {peer: (b"" if (rank, peer) == (2, 0) else bytes([rank]) * (1000 * (rank + 1) + peer))
+                for peer in range(3) if peer != rank}
+    return comm.exchange(outgoing, [peer for peer in range(3) if peer != rank])
+
+
+def test_an_exchange_sends_and_receives_at_once_without_waiting_on_each_other(tmp_path):
+    results = run_world(_exchanged, 3, tmp_path, timeout_s=30)
+    for rank, got in enumerate(results):
+        want = {src: (b"" if (src, rank) == (2, 0) else bytes([src]) * (1000 * (src + 1) + rank))
+                for src in range(3) if src != rank}
+        assert got == want, (rank, {s: len(b) for s, b in got.items()})

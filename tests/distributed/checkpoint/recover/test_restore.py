@@ -283,6 +283,7 @@ def test_software_failure_restores_from_own_tier1(world):
     results = world("software")
     record = _check_common(results, 8, 12)
     assert record["failure_class"] == "software"
+    assert record["decided_by"] == "nodes"  # the common case: rank 0 decided from the leaders' summaries
     assert record["source_tiers"] == {"tier1": 4, "tier2": 0, "tier3": 0}
     assert record["bytes_tier1"] > 0 and record["bytes_tier2"] == record["bytes_tier3"] == 0
     assert (record["last_step"], record["steps_lost"]) == (14, 2)
@@ -301,6 +302,7 @@ def test_node_failure_serves_lost_ranks_from_peer_replicas(world):
     results = world("node")
     record = _check_common(results, 8, 12)
     assert record["failure_class"] == "node"
+    assert record["decided_by"] == "nodes"
     assert record["source_tiers"] == {"tier1": 2, "tier2": 2, "tier3": 0}
     assert record["bytes_tier2"] > 0 and record["bytes_tier3"] == 0
 
@@ -309,6 +311,7 @@ def test_rack_failure_restores_from_tier3(world):
     results = world("rack")
     record = _check_common(results, 8, T3_DIFF_END)
     assert record["failure_class"] == "rack"
+    assert record["decided_by"] == "nodes"  # Tier-3's holdings summarized by rank 0, routed to each leader
     assert record["source_tiers"] == {"tier1": 0, "tier2": 0, "tier3": 4}
     assert record["bytes_tier1"] == record["bytes_tier2"] == 0 < record["bytes_tier3"]
     assert record["last_step"] is None and record["steps_lost"] is None
@@ -334,6 +337,7 @@ def test_a_rank_out_of_copies_has_every_rank_restore_the_older_base_and_its_chai
     # again without them and sends every rank its new plan; all replay from v0 to the same end, bit for bit.
     results = world("exhausted")
     record = _check_common(results, 0, 12)
+    assert record["decided_by"] == "rank 0"  # the retry without bad copies takes the whole inventory
     assert record["source_tiers"] == {"tier1": 4, "tier2": 0, "tier3": 0}
     assert sum("rank 2 base v8" in f and "xxh64" in f for f in record["fallbacks"]) == 3, record["fallbacks"]
 
@@ -342,6 +346,7 @@ def test_ranks_on_other_nodes_find_their_units_by_node(world):
     # The relaunch put ranks 0-1 on node1 and 2-3 on node0: each rank's ring replica is now on its own node.
     results = world("remap")
     record = _check_common(results, 8, 12)
+    assert record["decided_by"] == "nodes"
     assert record["source_tiers"] == {"tier1": 4, "tier2": 0, "tier3": 0}
     assert record["bytes_tier2"] == record["bytes_tier3"] == 0
 
