@@ -197,6 +197,38 @@ def _scalar(value: object) -> Optional[float]:
     return None if value is None else float(value.item() if isinstance(value, torch.Tensor) else value)
 
 
+def _schedule_notes(flat: dict[str, object], o: Optional[OptimConfig], where: str) -> list[str]:
+    """torchtitan's LR scheduler keeps only its position (``lr_scheduler.last_epoch``); the base rate of each
+    param group (``initial_lr``) and the rate it reached (``lr``) are the rest of its schedule a checkpoint
+    records. Per-group base rates are refused (MegaTier has one optim.lr), a position other than the step and a
+    base rate other than optim.lr are said."""
+    base = {k: _scalar(v) for k, v in flat.items() if k.startswith("optimizer.param_groups.")
+            and k.endswith(".initial_lr")}
+    first = next(iter(base.items()), None)
+    odd = next((k for k, v in base.items() if v != first[1]), None) if first else None
+    if odd is not None:
+        raise JobFormatError(f"{where}: {odd}={base[odd]} but {first[0]}={first[1]}: per-parameter base rates are "
+                             f"a schedule MegaTier cannot represent (one optim.lr for every parameter)")
+    out = []
+    if first and o is not None and first[1] != o.lr:
+        out.append(f"learning rate: the source's base rate {first[0]}={first[1]:.6g} differs from optim.lr={o.lr:.6g}; "
+                   f"MegaTier's schedule follows optim.*")
+    position, step = flat.get("lr_scheduler.last_epoch"), flat.get("train_state.step")
+    if position is not None and step is not None and int(_scalar(position)) != int(_scalar(step)):
+        out.append(f"learning rate: lr_scheduler.last_epoch={int(_scalar(position))} is not train_state.step="
+                   f"{int(_scalar(step))}; MegaTier's schedule is a function of the step and continues from the step")
+    return out
+
+
+def _dataloader_note(flat: dict[str, object]) -> str:
+    keys = sorted(k for k in flat if k.startswith("dataloader."))
+    if not keys:
+        return "not carried: the RNG (MegaTier's dropout follows train.seed and the step); no dataloader state saved"
+    return (f"not carried: {keys[0]} ({len(keys)} dataloader keys: torchtitan's pickled loader over its own dataset "
+            f"and tokenizer, per dp rank) and the RNG; MegaTier's data order follows train.seed and the step, and "
+            f"train_state.ntokens_seen carries as the tokens consumed")
+
+
 def load_torchtitan(path: str, m: ModelConfig, vocab: int, o: Optional[OptimConfig] = None) -> JobState:
     """The job of torchtitan checkpoint ``path`` (a step-N directory or its folder) for a model of ``m``."""
     check_model("torchtitan", m, "llama")
@@ -209,9 +241,7 @@ def load_torchtitan(path: str, m: ModelConfig, vocab: int, o: Optional[OptimConf
     adam = _scalar(flat.get("optimizer.state.tok_embeddings.weight.step")) or 0.0
     step = flat.get("train_state.step", flat.get("lr_scheduler.last_epoch", adam))
     tokens = flat.get("train_state.ntokens_seen")
-    notes += _optimizer_notes(flat, o)
-    notes.append("not carried: torchtitan's dataloader state and RNG (MegaTier's data order and dropout follow "
-                 "from train.seed and the step)")
+    notes += _optimizer_notes(flat, o) + _schedule_notes(flat, o, where) + [_dataloader_note(flat)]
     return JobState(canonical, int(_scalar(step)), int(adam), consumed_tokens=None if tokens is None else int(tokens),
                     next_lr=_scalar(flat.get("optimizer.param_groups.tok_embeddings.weight.lr")),
                     source=f"torchtitan DCP {where}", notes=notes)

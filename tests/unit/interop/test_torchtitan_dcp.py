@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from megatier.config import ModelConfig, OptimConfig
 from megatier.interop.job_state import JobFormatError, split_init_from
@@ -99,3 +100,25 @@ def test_a_block_megatier_lacks_is_refused_naming_its_key(titan_ckpt):
         load_torchtitan(titan_ckpt, ModelConfig(name="g"), VOCAB, OPTIM)
     with pytest.raises(JobFormatError, match="step-N"):
         load_torchtitan(os.path.dirname(titan_ckpt), MODEL, VOCAB, OPTIM)
+
+
+def test_the_schedule_position_and_base_rate_are_checked_and_the_dataloader_named(titan_ckpt, tmp_path):
+    job = load_torchtitan(titan_ckpt, MODEL, VOCAB, OPTIM)
+    assert not any(line.startswith("learning rate") for line in job.notes)
+    assert any("no dataloader state saved" in line for line in job.notes)
+    other = load_torchtitan(titan_ckpt, MODEL, VOCAB, OptimConfig(**{**OPTIM.__dict__, "lr": 2e-3}))
+    assert any("optimizer.param_groups." in line and ".initial_lr=0.001" in line for line in other.notes)
+
+    flat = read_dcp(os.path.join(titan_ckpt, "step-2"))
+    flat["lr_scheduler.last_epoch"], flat["dataloader.dp_rank_0"] = 5, b"loader"
+    moved = tmp_path / "moved"
+    dcp.save(flat, checkpoint_id=str(moved), no_dist=True)
+    notes = load_torchtitan(str(moved), MODEL, VOCAB, OPTIM).notes
+    assert any("lr_scheduler.last_epoch=5 is not train_state.step=2" in line for line in notes)
+    assert any(line.startswith("not carried: dataloader.dp_rank_0") for line in notes)
+
+    key = "optimizer.param_groups.norm.weight.initial_lr"
+    flat[key] = 5e-4
+    dcp.save(flat, checkpoint_id=str(tmp_path / "groups"), no_dist=True)
+    with pytest.raises(JobFormatError, match=r"norm\.weight\.initial_lr=0\.0005 but .*one optim\.lr"):
+        load_torchtitan(str(tmp_path / "groups"), MODEL, VOCAB, OPTIM)
