@@ -26,6 +26,10 @@ from megatier.config import DiffStreamConfig
 from megatier.ops.records import CompressedRecord
 
 
+def _xxh64(t: torch.Tensor) -> int:
+    return xxhash.xxh64(t.cpu().contiguous().view(torch.uint8).numpy()).intdigest()
+
+
 def tiling_segments(segments, size: int) -> list[tuple[int, int]]:
     """(offset, numel) pieces covering [0, size) in order: the shard's parameter parts plus padding gaps."""
     out, pos = [], 0
@@ -212,17 +216,27 @@ class ShardAccess:
     def replica_digests(self) -> list[tuple[int, int]]:
         """(global rank, xxh64 of the published parameters' bytes) for every data-parallel replica of this
         shard's parameters, which must all be equal after the all-gather (collective over the dp group;
-        :mod:`.policy.replicas`)."""
-        params = self.optimizer.param_flat.detach()
-        digest = xxhash.xxh64(params.cpu().contiguous().view(torch.uint8).numpy()).intdigest()
+        :mod:`.policy.replicas`).
+
+        Under expert parallelism the dp ranks hold different experts: a rank's digest is that of its dense
+        parameters and of the experts of its whole ep group (the dp ranks with its expert-dp rank, which
+        together hold every expert), so it equals those of the ranks holding the same parameters, and a
+        corrupted expert makes its ep group differ from the other groups."""
+        o = self.optimizer
+        params = o.param_flat.detach()
+        dense = getattr(o.layout, "dense_numel", params.numel())
+        digests = [_xxh64(params[:dense]), _xxh64(params[dense:])]
         rank = dist.get_rank() if dist.is_initialized() else 0
-        group = self.optimizer.dp_group
+        group = o.dp_group
         if group is None or dist.get_world_size(group) == 1:
-            return [(rank, digest)]
-        mine = torch.tensor([rank, digest - (1 << 63)], dtype=torch.int64, device=params.device)  # as int64
+            return [(rank, digests[0] ^ digests[1])]
+        mine = torch.tensor([rank] + [d - (1 << 63) for d in digests], dtype=torch.int64, device=params.device)
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, mine, group=group)
-        return [(int(t[0]), int(t[1]) + (1 << 63)) for t in every]
+        rows = [[int(v) for v in t.tolist()] for t in every]
+        edp = getattr(o.layout, "edp", len(rows))
+        return [(r[0], xxhash.xxh64(repr([r[1]] + [q[2] for q in rows[i % edp::edp]]).encode()).intdigest())
+                for i, r in enumerate(rows)]
 
     def publish(self) -> None:
         """After loading and replaying: copy master into the model parameters on every dp rank."""
