@@ -22,7 +22,8 @@ def test_the_dry_run_passes_every_phase(tmp_path):
                           env={**env, "OUT": str(tmp_path), "PYTHON": sys.executable},
                           capture_output=True, text=True, timeout=580)
     summary = (tmp_path / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in summary] == ["env", "build", "tests", "compress", "syncs", "bench"], \
+    assert [line.split(":")[0] for line in summary] == ["env", "build", "tests", "compress", "syncs", "bench",
+                                                        "throughput"], \
         proc.stdout
     assert proc.returncode == 0, proc.stdout + "".join((tmp_path / f"{line.split(':')[0]}.log").read_text()[-2000:]
                                                        for line in summary if ": exit 0 " not in line)
@@ -30,3 +31,5 @@ def test_the_dry_run_passes_every_phase(tmp_path):
     assert "megatier" in (tmp_path / "bench.log").read_text().splitlines()[-1]  # the table's row
     assert "the same record both ways" in (tmp_path / "compress.log").read_text()
     assert "0 host syncs over 3 steps on cpu" in (tmp_path / "syncs.log").read_text()  # the CPU never waits
+    rows = [line.split()[0] for line in (tmp_path / "throughput.log").read_text().splitlines()[-3:]]
+    assert rows == ["megatier", "megatier_compile", "plain"]  # the table's rows

@@ -19,11 +19,14 @@
 #             the GPU after its warm-up steps, ranked by count
 #   bench     bench_overhead on gpt2_124m, bf16, seq 1024: none, megatier (a diff every step, a base every
 #             50), DCP async_save and torch.save every 25 (bench.json beside the log)
+#   throughput  tools/gpu/throughput on gpt2_124m, bf16, seq 1024: tokens/s and MFU of MegaTier's step with
+#             model.compile off and on, and of a plain PyTorch loop of the same model, eager and compiled
+#             (throughput.json beside the log)
 #   recovery  bench_recovery's software drill on the GPU
 # Dry: the pure-Python wheels into a temporary folder, setup.py's build settings read (GPU_CHECK_BUILD=1 also
 # builds the CPU kernels in a copy of the tree: minutes on 2 cores, which make install spends already), tests/gpu
-# collected, bench_compression on 1M elements, sync_points for 4 steps and the benchmark's megatier row on
-# model=tiny for 3 steps, all on the CPU.
+# collected, bench_compression on 1M elements, sync_points for 4 steps, the benchmark's megatier row on
+# model=tiny for 3 steps and the throughput phase's rows on model=tiny (compiled with aot_eager), all on the CPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=0
@@ -40,7 +43,7 @@ mkdir -p "$OUT"
 : > "$OUT/summary.txt"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled
 
-PHASES="${PHASES:-env build tests compress syncs bench recovery}"
+PHASES="${PHASES:-env build tests compress syncs bench throughput recovery}"
 
 phase() {  # phase NAME SECONDS COMMAND: run COMMAND in bash under a time limit, log it, say how it ended
     local name=$1 limit=$2 cmd=$3 t0 rc
@@ -72,6 +75,9 @@ if [ "$DRY" = 1 ]; then
         $PY benchmarks/bench_overhead.py --model tiny --rows megatier --repeats 1 --iters 3 --warmup 1 \
             --out-json $OUT/bench.json -- train.device=cpu data.default_corpus_mib=1 data.seq_len=64
         $PY -m tools.gpu.summarize $OUT/bench.json"
+    phase throughput 300 "$PY -m tools.gpu.throughput --model tiny --precision fp32 --seq 64 --batch 4 --steps 3 \
+        --warmup 1 --device cpu --rows megatier,megatier_compile,plain --compile-backend aot_eager \
+        --json $OUT/throughput.json -- data.default_corpus_mib=1"
 else
     nvcc_bin=$(command -v nvcc || true)
     export CUDA_HOME="${CUDA_HOME:-$( [ -n "$nvcc_bin" ] && dirname "$(dirname "$(readlink -f "$nvcc_bin")")" )}"
@@ -100,6 +106,8 @@ else
             train.device=cuda train.precision=bf16 data.seq_len=1024 train.global_batch_size=8 \
             train.micro_batch_size=8 data.default_corpus_mib=8 checkpoint.remote.fsync=false
         $PY -m tools.gpu.summarize $OUT/bench.json"
+    phase throughput 420 "$PY -m tools.gpu.throughput --model gpt2_124m --precision bf16 --seq 1024 --batch 8 \
+        --steps 40 --warmup 15 --json $OUT/throughput.json -- data.default_corpus_mib=8"
     phase recovery 150 "$PY benchmarks/bench_recovery.py --part classes --classes software --points 2 --quick \
         --nodes 1 --procs-per-node 1 -- train.device=cuda"
 fi
