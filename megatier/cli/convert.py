@@ -25,8 +25,8 @@ config file is needed. The last line is the state's canonical digest, the
 
 ``--format torchtitan`` writes the whole job instead, as torchtitan's CheckpointManager saves it
 (``out_dir/step-N``; :mod:`megatier.interop.torchtitan_dcp`), for a ``model.arch=llama`` job;
-``--format torch_dist`` as Megatron-LM saves a GPT-2-shaped one (``out_dir/iter_NNNNNNN`` and its tracker
-file; :mod:`megatier.interop.megatron_dist`); ``--format megatron_legacy`` as its torch format does
+``--format torch_dist`` as Megatron-LM saves a GPT-2-, Llama- or Mixtral-shaped one (``out_dir/iter_NNNNNNN``
+and its tracker file; :mod:`megatier.interop.megatron_dist`); ``--format megatron_legacy`` as its torch format does
 (``out_dir/iter_NNNNNNN/mp_rank_TT/{model_optim_rng.pt,distrib_optim.pt}`` at ``--tp`` ranks;
 :mod:`megatier.interop.megatron_legacy`).
 
@@ -241,7 +241,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     e.add_argument("--format", choices=("hf", "torchtitan", "torch_dist", "megatron_legacy"), default="hf",
                    help="hf: a Hugging Face directory (weights); torchtitan: the whole job as torchtitan's DCP "
                         "checkpoint folder (out_dir/step-N: weights, AdamW state, step, LR scheduler, tokens seen); "
-                        "torch_dist: the whole GPT-2 job as Megatron-LM's --save directory (out_dir/iter_N); "
+                        "torch_dist: the whole job (GPT-2, Llama, MoE) as Megatron-LM's --save directory "
+                        "(out_dir/iter_N); "
                         "megatron_legacy: the same in Megatron-LM's torch format (mp_rank_TT, distrib_optim.pt)")
     e.add_argument("--tp", type=int, default=1,
                    help="megatron_legacy: tensor-parallel ranks to write (mp_rank_00, ...; it must divide the heads)")

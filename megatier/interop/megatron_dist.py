@@ -1,4 +1,5 @@
-"""Move a GPT-2-shaped job between MegaTier and Megatron-core's ``torch_dist`` checkpoints.
+"""Move a GPT-2-shaped job between MegaTier and Megatron-core's ``torch_dist`` checkpoints (a Llama-shaped one,
+dense or MoE: :mod:`megatier.interop.megatron_dist_llama`).
 
 A ``torch_dist`` checkpoint (Megatron-LM's ``<save>/iter_NNNNNNN/``, the newest named by
 ``latest_checkpointed_iteration.txt``) is a PyTorch DCP directory plus ``metadata.json`` (the backends) and
@@ -33,6 +34,8 @@ import torch.distributed.checkpoint as dcp
 
 from megatier.config import ModelConfig, OptimConfig
 from megatier.interop.job_state import KINDS, JobFormatError, JobState, as_fp32, check_model, check_shapes
+from megatier.interop.megatron_dist_llama import check_llama, check_llama_keys, to_canonical_llama
+from megatier.interop.megatron_dist_llama import global_tensors as llama_tensors
 from megatier.interop.torchtitan_dcp import read_dcp
 
 _LAYER = [("ln1.weight", "self_attention.linear_qkv.layer_norm_weight"),
@@ -135,13 +138,19 @@ def _notes(flat: dict, common: dict) -> list[str]:
 
 def load_megatron_dist(path: str, m: ModelConfig, vocab: int, o: Optional[OptimConfig] = None) -> JobState:
     """The job of torch_dist checkpoint ``path`` (an iteration directory or Megatron-LM's --save directory)."""
-    check_model("torch_dist", m, "gpt2")
+    if m.arch == "llama":
+        check_llama(m)
+    else:
+        check_model("torch_dist", m, "gpt2")
     where = iteration_dir(path)
     flat = read_dcp(where)
-    check_keys(flat, where)
+    if m.arch == "llama":
+        check_llama_keys(flat, m, where)
+    else:
+        check_keys(flat, where)
     common = _read_common(where)
     notes = _notes(flat, common)
-    canonical = to_canonical(flat, m, vocab, notes)
+    canonical = (to_canonical_llama if m.arch == "llama" else to_canonical)(flat, m, vocab, notes)
     check_shapes(canonical, m, vocab, where)
     groups = ((common.get("optimizer") or {}).get("optimizer") or {}).get("param_groups") or [{}]
     iteration = int(common.get("iteration", 0))
@@ -190,13 +199,18 @@ def _common(job: JobState, o: OptimConfig, lr: float, batch: int) -> dict:
 
 
 def export_megatron_dist(job: JobState, m: ModelConfig, o: OptimConfig, save_dir: str, lr: float, batch: int) -> str:
-    """Write ``save_dir``/iter_NNNNNNN as Megatron-LM saves it (and its tracker file); returns that directory."""
-    check_model("torch_dist", m, "gpt2")
+    """Write ``save_dir``/iter_NNNNNNN as Megatron-LM saves it (and its tracker file); returns that directory. A
+    ``model.arch=llama`` job (dense or MoE) goes as :mod:`megatier.interop.megatron_dist_llama` maps it."""
+    if m.arch == "llama":
+        check_llama(m)
+    else:
+        check_model("torch_dist", m, "gpt2")
     padded = math.ceil(job.canonical["word.weight"]["master"].shape[0] / m.make_vocab_size_divisible_by) * \
         m.make_vocab_size_divisible_by
+    tensors = llama_tensors if m.arch == "llama" else global_tensors
     state: dict[str, object] = {}
     for kind in KINDS:
-        for theirs, value in global_tensors(job, m, kind, padded).items():
+        for theirs, value in tensors(job, m, kind, padded).items():
             state[theirs if kind == "master" else f"optimizer.state.{_OPTIM[kind]}.{theirs}"] = value
             if kind == "master":
                 state[f"optimizer.state.fp32_param.{theirs}"] = value.clone()
