@@ -1,0 +1,51 @@
+"""A Mixtral-shaped MoE job moved through Megatron-core's torch_dist into another layout: trained by MegaTier on
+one rank, exported at step 3 from its tiers (megatier-convert export --format torch_dist: router and experts
+under Megatron-core's MoE keys, by global expert index), continued at dp=2 (model.init_from=torch_dist:<dir>),
+whose step 4 is the first job's step 4."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from megatier.cli import convert
+from megatier.config import ModelConfig
+from megatier.config.schema import MoEConfig
+from megatier.interop.torchtitan_dcp import read_dcp
+from megatier.training.trainer import Trainer
+from tests.distributed.configs import tiny_job
+from tests.distributed.world import run_world
+
+OPTIM = dict(lr=1e-3, warmup_iters=0, decay_style="constant", clip_grad=0.0)
+
+
+def _model(init_from) -> ModelConfig:
+    return ModelConfig(name="moe2", arch="llama", num_layers=2, hidden_size=32, num_heads=4, num_query_groups=2,
+                       max_position_embeddings=32, init_from=init_from,
+                       moe=MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=32))
+
+
+def _run(rank: int, tmp: str, prefix: str, job: str, init_from) -> dict:
+    os.environ.update(MEGATIER_NODE_NAME="node0")
+    cfg = tiny_job(tmp, job, prefix, iters=4, tp=1, model=_model(init_from), optim=OPTIM, run=f"run-{job}",
+                   checkpoint={"final_base": False, "diff": {"batch": 1}}, train={"global_batch_size": 4})
+    trainer = Trainer(cfg)
+    trainer.train()
+    out = {"loss": trainer.last_record["loss"], "batch": trainer.batches.train_microbatches(4)}
+    trainer.close()
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_a_moe_job_continues_through_torch_dist_at_another_layout(corpus_prefix, tmp_path, capsys):
+    first = run_world(_run, 1, tmp_path, str(tmp_path), corpus_prefix, "moesrc", None, timeout_s=120)[0]
+    save = str(tmp_path / "megatron")
+    code = convert.main(["export", "--format", "torch_dist", "--job-id", "moesrc", "--step", "3", "--local-root",
+                         str(tmp_path / "shm"), "--remote-url", str(tmp_path / "remote"), save])
+    assert code == 0, capsys.readouterr().err
+    flat = read_dcp(os.path.join(save, "iter_0000003"))
+    assert flat["decoder.layers.mlp.experts.experts.linear_fc1.weight"].shape == (2, 4, 64, 32)
+    assert flat["optimizer.state.exp_avg.decoder.layers.mlp.router.weight"].abs().sum() > 0
+    moved = run_world(_run, 2, tmp_path, str(tmp_path), corpus_prefix, "moedst", f"torch_dist:{save}",
+                      timeout_s=120)
+    assert moved[0]["loss"] == pytest.approx(first["loss"], rel=0, abs=1e-5)
