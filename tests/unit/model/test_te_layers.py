@@ -33,8 +33,8 @@ def _stage(group, impl: str, spec=StageSpec(range(3), True, True), arch="gpt2", 
 
 
 def _described(model: GPTStage) -> list[tuple]:
-    return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of)
-            for n, p in model.named_parameters()]
+    return [(n, tuple(p.shape), p.tp_partition_dim, p.tp_partition_stride, p.full_shape, p.copy_of,
+             getattr(p, "expert_index", -1)) for n, p in model.named_parameters()]
 
 
 def test_te_blocks_have_the_native_parameters_and_values(te, process_group):
