@@ -10,23 +10,14 @@ import pytest
 from megatier.cli import convert
 from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
+from tests.distributed.interop.continued_job import OPTIM, train_job
 from tests.distributed.world import run_world
 
 pytest.importorskip("megatron.core")
 
-OPTIM = dict(lr=1e-3, warmup_iters=0, decay_style="constant", clip_grad=0.0)
-
 
 def _run(rank: int, tmp: str, prefix: str, job: str, tp: int, init_from) -> dict:
-    os.environ.update(MEGATIER_NODE_NAME="node0")
-    model = {"num_layers": 2, "init_from": init_from}
-    cfg = tiny_job(tmp, job, prefix, iters=4, tp=tp, model=model, optim=OPTIM, run=f"run-{job}",
-                   checkpoint={"final_base": False, "diff": {"batch": 1}}, train={"global_batch_size": 4})
-    trainer = Trainer(cfg)
-    trainer.train()
-    out = {"loss": trainer.last_record["loss"], "batch": trainer.batches.train_microbatches(4)}
-    trainer.close()
-    return out
+    return train_job(tmp, prefix, job, tp, {"num_layers": 2, "init_from": init_from})
 
 
 @pytest.mark.timeout(240)

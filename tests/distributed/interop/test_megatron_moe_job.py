@@ -12,11 +12,8 @@ from megatier.cli import convert
 from megatier.config import ModelConfig
 from megatier.config.schema import MoEConfig
 from megatier.interop.torchtitan_dcp import read_dcp
-from megatier.training.trainer import Trainer
-from tests.distributed.configs import tiny_job
+from tests.distributed.interop.continued_job import train_job
 from tests.distributed.world import run_world
-
-OPTIM = dict(lr=1e-3, warmup_iters=0, decay_style="constant", clip_grad=0.0)
 
 
 def _model(init_from) -> ModelConfig:
@@ -26,14 +23,7 @@ def _model(init_from) -> ModelConfig:
 
 
 def _run(rank: int, tmp: str, prefix: str, job: str, init_from) -> dict:
-    os.environ.update(MEGATIER_NODE_NAME="node0")
-    cfg = tiny_job(tmp, job, prefix, iters=4, tp=1, model=_model(init_from), optim=OPTIM, run=f"run-{job}",
-                   checkpoint={"final_base": False, "diff": {"batch": 1}}, train={"global_batch_size": 4})
-    trainer = Trainer(cfg)
-    trainer.train()
-    out = {"loss": trainer.last_record["loss"], "batch": trainer.batches.train_microbatches(4)}
-    trainer.close()
-    return out
+    return train_job(tmp, prefix, job, 1, _model(init_from))
 
 
 @pytest.mark.timeout(240)
