@@ -37,12 +37,13 @@ Figures:
              reads the member list once and assigns the ranks (its CPU); every
              member reads the decision (bytes per rank)
 
-A second table is the decision from per-node summaries that is to replace rank
-0's (megatier/checkpoint/recover/summary.py and routing.py, run by
-benchmarks/control_plane_nodes.py; not yet the path restore() takes): the
-decider's and a node leader's bytes, peak memory and CPU, and the growth of
-each by ranks and by nodes (8 ranks a node: the two fits coincide). Up to
-4,096 ranks every plan cut that way is checked equal to rank 0's.
+A second table is the decision from per-node summaries that restore() takes in
+the common recovery instead of rank 0's (megatier/checkpoint/recover/by_node.py,
+summary.py and routing.py, run by benchmarks/control_plane_nodes.py): the
+decider's and a node leader's bytes, peak memory and CPU, Tier-3's record
+headers on rank 0 and record parts on a leader, and the growth of each by
+ranks and by nodes (8 ranks a node: the two fits coincide). Up to 4,096 ranks
+every plan cut that way is checked equal to rank 0's.
 
 Figures are CPU seconds of this one thread (time.process_time) and bytes; they
 do not depend on the machine's load.
@@ -197,8 +198,11 @@ def table_nodes(rows: list[dict]) -> str:
             ("leader peak MiB", lambda r: r["new_leader_peak"], mib),
             ("leader CPU ms", lambda r: 1000 * r["new_leader_cpu_s"], lambda v: f"{v:.1f}"),
             ("critical path CPU s", lambda r: r["new_modeled_s"], lambda v: f"{v:.3f}"),
-            ("today's Tier-3 on rank 0: CPU s", lambda r: r["t3_lister_cpu_s"], lambda v: f"{v:.3f}"),
-            ("its peak MiB", lambda r: r["t3_lister_peak"], mib)]
+            ("Tier-3 headers on rank 0: CPU s", lambda r: r["t3_headers_cpu_s"], lambda v: f"{v:.3f}"),
+            ("their KiB", lambda r: r["t3_header_bytes"], lambda v: f"{v / 1024:,.1f}"),
+            ("leader's Tier-3 parts: CPU ms", lambda r: 1000 * r["t3_leader_read_s"], lambda v: f"{v:.1f}"),
+            ("whole records on rank 0: CPU s", lambda r: r["t3_whole_cpu_s"], lambda v: f"{v:.3f}"),
+            ("its peak MiB", lambda r: r["t3_whole_peak"], mib)]
     lines = ["| ranks | nodes | " + " | ".join(name for name, _, _ in cols) + " |",
              "|---:|---:|" + "---:|" * len(cols)]
     lines += [f"| {r['ranks']:,} | {r['nodes']:,} | " + " | ".join(fmt(key(r)) for _, key, fmt in cols) + " |"

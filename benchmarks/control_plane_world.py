@@ -71,18 +71,6 @@ def node_listings(world: World, node: int) -> dict[str, Listing]:
             TIER2: Listing(copies=t2, traces=bool(t2))}
 
 
-def tier3_listing(world: World, owners: range) -> Listing:
-    """Tier-3's committed units of ``owners`` (every batch but the newest: its upload was in flight)."""
-    return Listing(copies=[Copy(s, TIER3, None) for r in owners for s in stamps(world, r, world.units(tier3=True))],
-                   traces=True)
-
-
-def leader_listings(world: World, node: int) -> dict[str, Listing]:
-    """What node ``node``'s leader lists in the decision from summaries: its node's memory, and Tier-3's units
-    of the ranks that run on it (listed by their prefixes, not the whole bucket on rank 0)."""
-    return {**node_listings(world, node), TIER3: tier3_listing(world, range(node * PER_NODE, (node + 1) * PER_NODE))}
-
-
 def cpu(fn: Callable):
     start = time.process_time()
     out = fn()

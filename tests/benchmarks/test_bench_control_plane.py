@@ -51,7 +51,11 @@ def test_the_decision_from_node_summaries_grows_as_the_nodes_and_cuts_rank_0s_pl
     assert nodes == 2
     for key in ("new_holdings", "new_spans", "new_decider_receives", "new_point_bytes", "new_decider_peak"):
         assert big[key] / small[key] <= 1.05 * nodes, key
-    assert big["new_holdings"] <= 3 * big["nodes"]  # Tier-1, Tier-2 and Tier-3's share: one holding each
+    assert big["new_holdings"] <= 2 * big["nodes"] + 1  # Tier-1 and Tier-2 a node; Tier-3's headers: one
+    # Tier-3: rank 0 reads the record headers (a line per 256 ranks), a leader the one part of its ranks a unit.
+    assert big["t3_header_bytes"] / small["t3_header_bytes"] <= 1.05 * nodes
+    assert small["t3_leader_read_bytes"] > 0
+    assert 0.95 < big["t3_leader_read_bytes"] / small["t3_leader_read_bytes"] < 1.05
     assert big["new_summary_bytes"] == small["new_summary_bytes"]
     assert big["new_leader_receives"] == small["new_leader_receives"]  # the copies of its own 8 ranks' units
     assert big["new_leader_peak"] < 1.1 * small["new_leader_peak"]

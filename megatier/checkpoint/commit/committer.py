@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Optional
 
+from megatier.checkpoint.commit.commit_record import CommitRecord, read_record, write_record
 from megatier.checkpoint.commit.records import (
     CommitError,
-    CommitRecord,
     DoneMarker,
     UnitListing,
     commit_key,
@@ -71,19 +71,18 @@ class Committer:
         if markers is None or len({m.incarnation for m in markers}) != 1:
             return None
         degrees = {m.stamp.layout.degrees for m in markers}
-        if len(degrees) != 1:
-            return None  # markers of two layouts of this job (one reshard apart): no layout's unit is complete
+        if len(degrees) != 1 or len({m.stamp.fingerprint for m in markers}) != 1:
+            return None  # markers of two layouts or configs of this job (one reshard apart): none is complete
         record = CommitRecord(pid, self.job_id, degrees.pop(), markers[0].incarnation, tuple(markers))
         self.fault_hook(CrashPoint.T3_BEFORE_COMMIT, pid.version)
-        if self.store.put_if_absent(commit_key(pid), record.to_json()):
+        if write_record(self.store, record):
             return record
         # Someone (or a retried request of ours) committed first; the first commit stands.
         return self._existing(pid)
 
     def _existing(self, pid: PayloadId) -> Optional[CommitRecord]:
-        key = commit_key(pid)
         try:
-            return CommitRecord.from_json(self.store.get(key), self.store.describe(key))
+            return read_record(self.store, pid)
         except ObjectNotFound:
             return None
 

@@ -4,8 +4,9 @@ Keys inside the job's store (``<remote.url>/<job_id>/``)::
 
     base/v00000050/rank00003.<xxh64>.safetensors            rank 3's payload (content-addressed)
     base/v00000050/rank00003.done.json                      rank 3's done marker
-    base/v00000050/_COMMITTED                               the commit record of the unit
-    diff/v00000046-00000050/rank00003.<xxh64>.safetensors   diff batches: the same three kinds
+    base/v00000050/_COMMITTED                               the commit record of the unit (its header)
+    base/v00000050/_ranks.000000-000256.<xxh64>.json        its markers of ranks 0..255 (:mod:`.commit_record`)
+    diff/v00000046-00000050/rank00003.<xxh64>.safetensors   diff batches: the same kinds
     diff/v00000046-00000050/rank00003.done.json
     diff/v00000046-00000050/_COMMITTED
 
@@ -15,7 +16,8 @@ Protocol (phase 1 by every rank's uploader, phase 2 by the coordinator):
 2. The coordinator (global rank 0) writes ``_COMMITTED`` with a conditional
    create only once it has seen a marker from every rank, all from one
    incarnation, whose objects are listed with the stamped sizes. The record
-   names every object, its size and checksum, and the layout.
+   names every object, its size and checksum, and the layout, in parts a
+   node's leader can read for its own ranks (:mod:`.commit_record`).
 
 Why payload keys carry their checksum: an object is never overwritten with
 different bytes. A relaunched job that saves a unit again writes new keys, so a
@@ -29,7 +31,6 @@ Nothing without ``_COMMITTED`` is ever returned by
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 
@@ -80,48 +81,6 @@ class DoneMarker(JsonRecord):
             raise CommitError(f"{source}: malformed done marker ({type(e).__name__}: {e}); delete it so the "
                               f"rank's uploader can write it again") from e
 
-
-
-@dataclass(frozen=True)
-class CommitRecord:
-    """Phase 2: the unit is a recovery source; ``ranks[r]`` is rank r's marker."""
-
-    pid: PayloadId
-    job_id: str
-    degrees: tuple[int, int, int]  # (tp, pp, dp)
-    incarnation: str
-    ranks: tuple[DoneMarker, ...] = field(repr=False)
-
-    @property
-    def world_size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(m.stamp.size for m in self.ranks)
-
-    def to_json(self) -> bytes:
-        tp, pp, dp = self.degrees
-        return json.dumps({"format": FORMAT, **self.pid.to_dict(), "job_id": self.job_id,
-                           "layout": {"tp": tp, "pp": pp, "dp": dp}, "world_size": self.world_size,
-                           "incarnation": self.incarnation, "ranks": [m.to_dict() for m in self.ranks]},
-                          sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, data: bytes, source: str) -> "CommitRecord":
-        try:
-            d = json.loads(data)
-            ranks = tuple(DoneMarker.from_dict(m, source) for m in d["ranks"])
-            layout = d["layout"]
-            record = cls(PayloadId.from_dict(d), str(d["job_id"]),
-                         (int(layout["tp"]), int(layout["pp"]), int(layout["dp"])), str(d["incarnation"]), ranks)
-            world_size = int(d["world_size"])
-        except (ValueError, KeyError, TypeError, CommitError) as e:
-            raise PayloadError(f"{source}: malformed commit record ({e}); the unit cannot be used as a "
-                               f"recovery source") from e
-        if len(ranks) != world_size or any(m.stamp.rank != r for r, m in enumerate(ranks)):
-            raise PayloadError(f"{source}: commit record lists ranks out of order or a wrong count")
-        return record
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from megatier.checkpoint.comm import CheckpointComm
 from megatier.checkpoint.context import CheckpointContext
-from megatier.checkpoint.format.units import BASE
+from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.consensus import ConfigCheck, Consensus, decide, fresh_without
 from megatier.checkpoint.recover.inventory import Collected, Inventory, RecoveryError, last_step
 from megatier.checkpoint.recover.loops import (
@@ -205,10 +205,12 @@ class Coordinator:
         return cut(consensus, self.rank_nodes, self.ctx.layout.degrees, shared)
 
     def durable(self, version: int, bad: set[Copy]) -> Optional[int]:
-        return durable_base(self.inv.copies, version, bad)
+        return durable_base({c.pid for c in self.inv.copies if c.tier == TIER3}, version, bad)
 
 
-def durable_base(copies: Iterable[Copy], version: int, bad: set[Copy]) -> Optional[int]:
-    """The newest base committed on Tier-3 at or before ``version`` whose copy there was not found bad."""
-    return max((c.pid.version for c in copies if c.tier == TIER3 and c.pid.kind == BASE
-                and c.pid.version <= version and c not in bad), default=None)
+def durable_base(units: Iterable[PayloadId], version: int, bad: set[Copy]) -> Optional[int]:
+    """The newest base committed on Tier-3 (``units``: its committed units) at or before ``version`` of which
+    no copy there was found bad."""
+    spoiled = {c.pid for c in bad if c.tier == TIER3}
+    return max((p.version for p in units if p.kind == BASE and p.version <= version and p not in spoiled),
+               default=None)

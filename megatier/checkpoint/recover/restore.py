@@ -231,7 +231,8 @@ def restore(ctx: CheckpointContext, shard: ShardAccess, *, allow_fresh_start: bo
         fatal = f"cleanup after recovery failed: {e}; stale units could mix with the resumed run"
     ledger = fetcher.ledger
     coordinator = whole.coordinator() if whole.taken else None
-    durable = durable_base(coordinator.inv.copies if coordinator else listed, consensus.version, ledger.bad)
+    durable = (coordinator.durable(consensus.version, ledger.bad) if coordinator
+               else durable_base(listed, consensus.version, ledger.bad))
     final = ctx.comm.gather({"fatal": fatal, "times": (t_consensus, *timings), "inventory_s": t_inventory,
                              "deleted": deleted, "quarantined": quarantined, "durable": durable},
                             what="the recovery cleanup")

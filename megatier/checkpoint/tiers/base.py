@@ -97,6 +97,7 @@ class Listing:
     fingerprints: dict[str, dict] = field(default_factory=dict)  # fingerprint id -> the config keys it names
     notes: list[str] = field(default_factory=list)  # unreadable entries, for the recovery record
     restores: list[dict] = field(default_factory=list)  # the job's restore history (recover.loops)
+    headers: list = field(default_factory=list)  # Tier-3's commit record headers when ``copies`` are left out
 
 
 class Tier(abc.ABC):
@@ -123,6 +124,17 @@ class Tier(abc.ABC):
     @abc.abstractmethod
     def list(self) -> Listing:
         """What this tier holds now (for a NODE tier: every owner's units on this node)."""
+
+    def decision_listing(self) -> Listing:
+        """What restore's decision from node summaries reads of this tier on its lister: :meth:`list`. Tier-3
+        lists its commit record headers instead of every rank's copy (``Listing.headers``)."""
+        return self.list()
+
+    def copies_of(self, pids: list[PayloadId], owners: list[tuple[int, int]]) -> tuple[list[Copy], list[str]]:
+        """A JOB tier's copies of ``pids`` for the owners in ``owners`` (rank ranges), as a node's leader reads
+        them for its ranks after that decision, and a note on each unit it could not read."""
+        wanted = set(pids)
+        return [c for c in self.list().copies if c.pid in wanted and any(lo <= c.owner < hi for lo, hi in owners)], []
 
     @abc.abstractmethod
     def read(self, copy: Copy) -> EncodedPayload:

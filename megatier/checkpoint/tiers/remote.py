@@ -19,6 +19,7 @@ import time
 from typing import Optional
 from urllib.parse import urlparse
 
+from megatier.checkpoint.commit.commit_record import RecordHeader, read_header, read_markers
 from megatier.checkpoint.commit.committer import Committer
 from megatier.checkpoint.commit.coordinator import Coordinator, NoCoordinator
 from megatier.checkpoint.commit.lease import LeaseHeld, OwnerLease
@@ -27,11 +28,10 @@ from megatier.checkpoint.commit.records import (
     COMMITTED,
     SUPERSEDED,
     CommitError,
-    CommitRecord,
-    commit_key,
     delete_unit,
     list_units,
     set_aside,
+    unit_ids,
 )
 from megatier.checkpoint.commit.uploader import Uploader
 from megatier.checkpoint.format.payload import EncodedPayload, PayloadError
@@ -41,7 +41,7 @@ from megatier.checkpoint.reclaim.executor import delete_units
 from megatier.checkpoint.reclaim.policy import beyond_end
 from megatier.checkpoint.storage.directory import DirectoryStore
 from megatier.checkpoint.storage.s3 import S3Store
-from megatier.checkpoint.storage.store import ObjectStore, RetryPolicy, StoreError
+from megatier.checkpoint.storage.store import ObjectNotFound, ObjectStore, RetryPolicy, StoreError
 from megatier.checkpoint.threads import helper_thread
 from megatier.checkpoint.tiers.base import JOB, TIER3, Copy, Listing, Tier
 from megatier.checkpoint.tiers.node_memory import read_fingerprints, read_history, write_history
@@ -74,25 +74,46 @@ FINGERPRINTS = "_fingerprints/"
 RESTORES = "_restores.json"
 
 
+def committed_headers(store: ObjectStore) -> tuple[Listing, list[RecordHeader]]:
+    """The committed units' record headers, oldest first, and the listing's facts (traces, fingerprints, the
+    restore history) without copies: O(units) reads, whatever the world. Unreadable headers are noted and
+    skipped."""
+    pids = unit_ids(store)
+    listing = Listing(traces=bool(pids), fingerprints=read_fingerprints(store, FINGERPRINTS),
+                      restores=read_history(store, RESTORES))
+    headers = []
+    for pid in sorted(pids, key=lambda p: (p.last, p.kind)):
+        try:
+            headers.append(read_header(store, pid))
+        except ObjectNotFound:
+            continue  # not committed
+        except (PayloadError, StoreError) as e:
+            listing.notes.append(f"Tier-3 {pid}: {COMMITTED} unreadable ({e})")
+    return listing, headers
+
+
+def copies_in(store: ObjectStore, headers: list[RecordHeader], owners: list[tuple[int, int]],
+              label: str = TIER3) -> tuple[list[Copy], list[str]]:
+    """The copies of ``owners`` (half-open rank ranges) in the units of ``headers``, reading only the record
+    parts that hold them; and a note per unit whose parts could not be read."""
+    copies, notes = [], []
+    for header in headers:
+        try:
+            markers = [m for lo, hi in owners for m in read_markers(store, header, lo, hi)]
+        except (PayloadError, StoreError) as e:
+            notes.append(f"Tier-3 {header.pid}: commit record unreadable ({e})")
+            continue
+        copies.extend(Copy(m.stamp, label, None) for m in markers)
+    return copies, notes
+
+
 def list_committed(store: ObjectStore, label: str = TIER3) -> Listing:
     """Every rank's copy of every committed unit, and the recorded config fingerprints; unreadable commit
     records are noted and skipped."""
-    units = list_units(store)
-    listing = Listing(traces=bool(units), fingerprints=read_fingerprints(store, FINGERPRINTS),
-                      restores=read_history(store, RESTORES))
-    for pid, unit in sorted(units.items(), key=lambda kv: (kv[0].last, kv[0].kind)):
-        if not unit.committed:
-            continue
-        key = commit_key(pid)
-        try:
-            record = CommitRecord.from_json(store.get(key), store.describe(key))
-        except (PayloadError, StoreError) as e:
-            listing.notes.append(f"Tier-3 {pid}: {COMMITTED} unreadable ({e})")
-            continue
-        if record.pid != pid:
-            listing.notes.append(f"Tier-3 {pid}: {COMMITTED} describes {record.pid}")
-            continue
-        listing.copies.extend(Copy(m.stamp, label, None) for m in record.ranks)
+    listing, headers = committed_headers(store)
+    copies, notes = copies_in(store, headers, [(0, max((h.world_size for h in headers), default=0))], label)
+    listing.copies.extend(copies)
+    listing.notes.extend(notes)
     return listing
 
 
@@ -148,6 +169,31 @@ class RemoteTier(Tier):
             return Listing(traces=True, unknown=f"{self.where()} is {self.offline}",
                            notes=[f"{self.where()} was not consulted: {self.offline}"])
         return list_committed(self.store, self.label)
+
+    def decision_listing(self) -> Listing:
+        """The facts and the committed units' record headers, no copies (:func:`committed_headers`)."""
+        if self.offline is not None:
+            return self.list()
+        listing, headers = committed_headers(self.store)
+        listing.headers = headers
+        return listing
+
+    def copies_of(self, pids: list[PayloadId], owners: list[tuple[int, int]]) -> tuple[list[Copy], list[str]]:
+        """A node leader's share of the restore: the copies of ``owners`` (rank ranges) in those of ``pids``
+        that are committed, reading their headers and the record parts that hold these ranks only; and a note
+        per unit that could not be read."""
+        if self.offline is not None:
+            return [], [f"{self.where()} was not consulted: {self.offline}"]
+        headers, notes = [], []
+        for pid in pids:
+            try:
+                headers.append(read_header(self.store, pid))
+            except ObjectNotFound:
+                continue  # not committed (the point names units held elsewhere too)
+            except (PayloadError, StoreError) as e:
+                notes.append(f"Tier-3 {pid}: {COMMITTED} unreadable ({e})")
+        copies, unread = copies_in(self.store, headers, owners, self.label)
+        return copies, notes + unread
 
     def read(self, copy: Copy) -> EncodedPayload:
         return self.reader.load(copy.pid, copy.owner)

@@ -39,8 +39,10 @@ def test_commit_round_trip(remote_store, upload_all):
         assert reader.load(b50, r) == payloads[r][1]
         assert reader.load(d, r) == payloads[r][0]
     stored = json.loads(remote_store.get(commit_key(b50)))
-    assert stored["layout"] == {"tp": 2, "pp": 1, "dp": 2} and len(stored["ranks"]) == WORLD
-    assert all(m["stamp"]["xxh64"] and m["stamp"]["size"] for m in stored["ranks"])
+    assert stored["layout"] == {"tp": 2, "pp": 1, "dp": 2} and stored["world_size"] == WORLD
+    markers = [m for p in stored["parts"] for m in json.loads(remote_store.get(p["key"]))]
+    assert [m["key"].rpartition("/")[2][:9] for m in markers] == [f"rank{r:05d}" for r in range(WORLD)]
+    assert all(m["stamp"]["xxh64"] and m["stamp"]["size"] for m in markers)
 
 
 def test_crash_between_objects_and_marker_leaves_version_uncommitted(remote_store, upload_all):
@@ -163,11 +165,14 @@ def test_a_concurrent_commit_wins(tmp_path, upload_all):
         """Another coordinator's commit lands between our existence check and our conditional create."""
 
         def put_if_absent(self, key, data):
-            self.inner.put_if_absent(key, theirs.to_json())
+            header, parts = theirs.objects()
+            for part_key, part in parts.items():
+                self.inner.put(part_key, part)
+            self.inner.put_if_absent(key, header)
             return self.inner.put_if_absent(key, data)
 
     assert Committer(Racing(store, 0), JOB).try_commit(pid, WORLD) == theirs
-    assert store.get(commit_key(pid)) == theirs.to_json()
+    assert store.get(commit_key(pid)) == theirs.objects()[0]
 
 
 def test_uploader_keeps_payloads_while_the_remote_is_down(tmp_path):
