@@ -223,6 +223,7 @@ class ShardAccess:
         together hold every expert), so it equals those of the ranks holding the same parameters, and a
         corrupted expert makes its ep group differ from the other groups."""
         o = self.optimizer
+        getattr(o, "wait_params", lambda: None)()  # a bucketed gather in flight (parallel.overlap_param_gather)
         params = o.param_flat.detach()
         dense = getattr(o.layout, "dense_numel", params.numel())
         digests = [_xxh64(params[:dense]), _xxh64(params[dense:])]

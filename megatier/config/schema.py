@@ -148,6 +148,14 @@ class ParallelConfig:
     # divide the data-parallel degree and model.moe.num_experts. Expert optimizer state is sharded over the
     # dp / ep ranks that hold the same experts. 1: every rank holds every expert.
     ep: int = 1
+    # Start each bucket's data-parallel gradient reduction from the gradient hooks of the step's last
+    # micro-batch, while backward goes on (megatier.optim.overlap). The shards each rank owns do not change.
+    overlap_grad_reduce: bool = False
+    # Start each bucket's parameter all-gather after the optimizer step and wait for it only in the forward
+    # pre-hooks of the modules that use the bucket's parameters.
+    overlap_param_gather: bool = False
+    # MiB of fp32 gradient per bucket of the overlaps above; 0: 40.
+    bucket_mb: float = 0.0
     # Seconds any collective may take before the run fails instead of hanging.
     timeout_s: float = 600.0
 

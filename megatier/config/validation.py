@@ -26,6 +26,7 @@ from megatier.config.schema import (
     DataConfig,
     ModelConfig,
     OptimConfig,
+    ParallelConfig,
     RecoveryConfig,
     ReliabilityConfig,
     TrainConfig,
@@ -338,6 +339,18 @@ def _validate_pipeline_order(m: ModelConfig, t: TrainConfig, pp: int, dp: Option
                                    f"train.rampup_batch_size) or lower train.micro_batch_size")
 
 
+def _validate_overlap(p: ParallelConfig, m: ModelConfig) -> None:
+    """parallel.overlap_grad_reduce, overlap_param_gather and bucket_mb (megatier.optim.overlap)."""
+    _require(p.bucket_mb >= 0, f"parallel.bucket_mb={p.bucket_mb} must be >= 0 (MiB of fp32 gradient per bucket; "
+                               f"0: the default size)")
+    _require(not (p.overlap_param_gather and m.compile),
+             "parallel.overlap_param_gather waits for parameters in forward pre-hooks, which would break "
+             "model.compile's graphs; set model.compile=false or parallel.overlap_param_gather=false")
+    _require(not (p.overlap_grad_reduce and m.pipeline_order == "checkfree_plus"),
+             "parallel.overlap_grad_reduce counts one backward per micro-batch, which CheckFree+'s routes do not "
+             "keep to; set parallel.overlap_grad_reduce=false or model.pipeline_order=standard")
+
+
 def validate(cfg: Config, world_size: Optional[int] = None) -> None:
     """Cross-field checks; raises ConfigError with a one-line reason. ``world_size`` enables layout checks."""
     p = cfg.parallel
@@ -352,6 +365,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         )
         dp = p.dp(world_size)
     _validate_expert_parallel(p.ep, cfg.model.moe.num_experts, dp)
+    _validate_overlap(p, cfg.model)
     _validate_model(cfg.model, p.tp, p.pp)
     _validate_train(cfg.train, dp)
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)

@@ -37,6 +37,7 @@ from megatier.optim.flat import FlatLayout, ranges_tensor
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.grad_norm import local_sumsq
 from megatier.optim.loss_scaler import DynamicLossScaler
+from megatier.optim.overlap import BucketedGather
 from megatier.optim.schedule import LRSchedule
 
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -80,6 +81,7 @@ class DistributedAdamW:
         self.last_sumsq: Optional[torch.Tensor] = None
         self.lr_scale = 1.0
         self._pre_step_hooks: list[Callable[[int], None]] = []
+        self.gather: Optional[BucketedGather] = None  # parallel.overlap_param_gather (megatier.optim.overlap.attach)
 
     def register_pre_step_hook(self, hook: Callable[[int], None]) -> None:
         """``hook(iteration)`` runs in every :meth:`step` after the gradient is reduced, before the state changes
@@ -101,6 +103,7 @@ class DistributedAdamW:
     def reduce(self) -> "Reduced":
         """This step's gradient shard (the mean over dp, unscaled) and the job's sum of its squares. The state is
         untouched, so a step whose forward and backward run again can be reduced again (megatier.training.sdc)."""
+        self.wait_params()  # backward is over: nothing may still write the parameters
         grad = self.grads.reduce_scatter_mean(self.dp_rank)
         if self.scaler is not None and self.scaler.scale != 1.0:
             grad.div_(self.scaler.scale)
@@ -137,15 +140,27 @@ class DistributedAdamW:
     def publish_params(self, *, step_wait: bool = False) -> None:
         """Copy the master shard into the model's parameters on every dp rank (routed experts' on every rank of
         their expert-data-parallel group); ``step_wait``: a training step's all-gather (its time counts as
-        ``dp_param_wait_ms``), not a restore's."""
+        ``dp_param_wait_ms``), not a restore's. A step's gather by buckets (``parallel.overlap_param_gather``)
+        is only started here; the next forward's hooks, or :meth:`wait_params`, wait for it."""
+        if self.gather is not None and not step_wait:
+            self.gather.discard()
         groups = [(self.dp_group, self.layout.dp), (self.expert_dp_group or self.dp_group, self.layout.edp)]
         regions = [self.param_flat[:self.layout.dense_numel], self.param_flat[self.layout.dense_numel:]]
-        for mine, master, region, (group, size) in zip(self._param_shards, self.master.split(
-                [p.numel() for p in self._param_shards]), regions, groups):
+        for mine, master in zip(self._param_shards, self.master.split([p.numel() for p in self._param_shards])):
             mine.copy_(master)
+        if self.gather is not None and step_wait:
+            self.gather.launch(self.param_flat, (groups[0][0], groups[1][0]))
+            return
+        for mine, region, (group, size) in zip(self._param_shards, regions, groups):
             if size > 1:
                 with self.grads.clock.timing("dp_param_wait_ms") if step_wait else nullcontext():
                     all_gather_flat(region, mine.clone(), group)
+
+    def wait_params(self) -> None:
+        """Wait until every parameter holds the last step's values (a no-op unless a bucketed gather is in
+        flight); whoever reads the parameter buffer outside a module's forward calls it first."""
+        if self.gather is not None:
+            self.gather.wait()
 
     def take_wait_ms(self) -> dict[str, float]:
         """The data-parallel communication the steps since the last call waited for, in ms: the gradient

@@ -6,14 +6,14 @@ last micro-batch the buffer is averaged over dp with one reduce-scatter (two
 with routed experts: theirs over the expert-data-parallel group), which leaves
 each dp rank the gradient of the shard its ZeRO-1 optimizer owns.
 
-The reduction is deliberately one reduce-scatter after backward, not bucketed
-and overlapped: each dp rank owns one contiguous range of the whole flat space
-(the unit the checkpoint system saves and replays), so a bucket would have to be
-reduced piecewise to the owners of the ranges it straddles. At the model sizes
-this runs on CPU the single collective is not the bottleneck.
+By default the reduction is one reduce-scatter after backward: each dp rank owns one contiguous range of
+the whole flat space (the unit the checkpoint system saves and replays). With ``parallel.overlap_grad_reduce``
+a :class:`~megatier.optim.overlap.BucketedReduce` (:attr:`GradBuffer.bucketed`) reduces bucket by bucket
+instead, started from the hooks below, each bucket's pieces going to the owners of the ranges it straddles, so
+the ownership, and what the checkpoint system saves, stays the same.
 
-The reduce-scatter is timed on :attr:`GradBuffer.clock` (``dp_grad_wait_ms``): all of it is exposed, since
-nothing else runs while it does.
+The reduction is timed on :attr:`GradBuffer.clock` (``dp_grad_wait_ms``): the time the step waits for it after
+backward, all of it without the overlap.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from torch import nn
 
 from megatier.optim.collectives import reduce_scatter_flat
 from megatier.optim.flat import FlatLayout
+from megatier.optim.overlap import BucketedReduce
 from megatier.optim.wait_clock import WaitClock
 
 
@@ -38,22 +39,31 @@ class GradBuffer:
         self.expert_dp_group = expert_dp_group  # the expert region's (parallel.ep > 1; else the dp group's)
         self.flat = torch.zeros(layout.numel, dtype=torch.float32, device=device)
         self.clock = WaitClock(device)  # data-parallel communication the step waits for (also the optimizer's)
+        self.bucketed: Optional[BucketedReduce] = None  # the bucketed reduction (megatier.optim.overlap.attach)
         self._hooks = []
         params = dict(module.named_parameters())
         for s in layout.segments:
             view = self.flat[s.offset:s.end].view(s.shape)
-            self._hooks.append(params[s.name].register_post_accumulate_grad_hook(self._make_hook(view)))
+            self._hooks.append(params[s.name].register_post_accumulate_grad_hook(self._make_hook(s.name, view)))
 
-    @staticmethod
-    def _make_hook(main_grad: torch.Tensor):
+    def _make_hook(self, name: str, main_grad: torch.Tensor):
         def fold(param: torch.Tensor) -> None:
             main_grad.add_(param.grad)  # upcasts bf16/fp16 grads into fp32
             param.grad = None
+            if self.bucketed is not None:
+                self.bucketed.folded(name, self.flat, self._groups())
 
         return fold
 
-    def zero(self) -> None:
+    def _groups(self) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+        return self.dp_group, self.expert_dp_group or self.dp_group
+
+    def zero(self, micro_batches: int = 0) -> None:
+        """Clear the gradients before a step of ``micro_batches`` backward passes (0: not said; the bucketed
+        reduction then starts every bucket after backward)."""
         self.flat.zero_()
+        if self.bucketed is not None:
+            self.bucketed.begin(micro_batches)
 
     def view_of(self, segment_name: str) -> torch.Tensor:
         s = next(seg for seg in self.layout.segments if seg.name == segment_name)
@@ -71,6 +81,8 @@ class GradBuffer:
         dp = self.layout.dp
         if dp == 1:
             return torch.cat([self.flat[lo:hi] for lo, hi in self.layout.shard_ranges(dp_rank)])
+        if self.bucketed is not None:
+            return self.bucketed.finish(self.flat, self._groups(), self.clock)
         self.flat.div_(dp)
         dense = self.layout.dense_numel
         regions = [(self.flat[:dense], self.dp_group, dp)]

@@ -47,6 +47,7 @@ from megatier.optim.adamw import DistributedAdamW, Reduced
 from megatier.optim.flat import FlatLayout, flatten_parameters
 from megatier.optim.grad_buffer import GradBuffer
 from megatier.optim.loss_scaler import DynamicLossScaler
+from megatier.optim.overlap import attach as attach_overlap
 from megatier.optim.schedule import schedule_of
 from megatier.parallel.checkfree_plus import sync_replica_grads
 from megatier.parallel.p2p import PipelineComm, bubble_ms
@@ -175,9 +176,8 @@ class Trainer(InPlaceRecovery):
         self.param_flat = flatten_parameters(self.model, self.layout, DTYPES[self.cfg.train.precision], self.device)
         self.grads = GradBuffer(self.model, self.layout, self.device, dp_group=ps.dp_group,
                                 expert_dp_group=ps.expert_dp_group)
-        self.comm = None
-        if ps.pp > 1:
-            self.comm = PipelineComm(group=ps.pp_group, dtype=DTYPES[self.cfg.train.precision], device=self.device)
+        flat = self.param_flat
+        self.comm = PipelineComm(group=ps.pp_group, dtype=flat.dtype, device=flat.device) if ps.pp > 1 else None
 
     def _build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -187,6 +187,7 @@ class Trainer(InPlaceRecovery):
         self.optimizer = DistributedAdamW(o, self.layout, self.param_flat, self.grads, dp_rank=self.ps.dp_rank,
                                           dp_group=self.ps.dp_group, norm_group=self.ps.world_group, schedule=schedule,
                                           scaler=scaler, expert_dp_group=self.ps.expert_dp_group)
+        attach_overlap(self.cfg.parallel, self.model, self.grads, self.optimizer)  # parallel.overlap_*, bucket_mb
 
     def _build_checkpointer(self, factory: Optional[CheckpointerFactory]) -> Optional[Checkpointer]:
         state = TrainState(self.ps, self.model, self.optimizer, self.cfg.train.global_batch_size,
@@ -266,8 +267,7 @@ class Trainer(InPlaceRecovery):
         loss, stop = self._global_loss(local_loss)
         why = self.spikes.suspicious(loss, reduced.sumsq)
         rerun = None if why is None else self._rerun(step, why, (local_loss, reduced.grad))
-        if rerun is not None:
-            loss, reduced = rerun
+        loss, reduced = rerun if rerun is not None else (loss, reduced)
         self._updating = True  # a failure from here until the step is counted leaves the state between versions
         stats = self.optimizer.step(step, reduced)
         self.param_flip.plant(step, self.optimizer.param_flat)
@@ -295,11 +295,11 @@ class Trainer(InPlaceRecovery):
 
     def _gradient(self, step: int) -> tuple[torch.Tensor, Reduced]:
         """Step ``step``'s forward and backward (its batch, its dropout masks) and its reduced gradient."""
-        ps = self.ps
+        ps, batches = self.ps, self.batches.train_microbatches(step)
         self.dropout_generator.manual_seed(derive_seed(self.cfg.train.seed, "dropout", step, ps.dp_rank, ps.pp_rank))
-        self.grads.zero()
+        self.grads.zero(micro_batches=len(batches))
         scale = self.optimizer.scaler.scale if self.optimizer.scaler is not None else 1.0
-        local_loss = self._forward_backward(self.batches.train_microbatches(step), loss_scale=scale)
+        local_loss = self._forward_backward(batches, loss_scale=scale)
         self.grad_nan.plant(step, self.grads.flat)
         self._sync_copies()
         return local_loss, self.optimizer.reduce()
