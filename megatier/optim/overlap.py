@@ -9,8 +9,9 @@ hook there, and every rank must start the same collectives in the same order) st
 order, with the buckets whose hooks never fired.
 
 ``parallel.overlap_param_gather``: after the optimizer step every bucket's parameter gather starts at once, in
-forward order, and a module's forward pre-hook waits only for the buckets up to its own parameters' (of its
-region), so the next forward (or evaluation) begins while later buckets are still on the wire.
+forward order, and a module's forward pre-hook waits only for the buckets (of each region) up to the last one
+holding a parameter of its subtree, so the next forward (or evaluation) begins while later buckets are still
+on the wire.
 
 Neither object keeps a process group: they get them at each call from their owners (the gradient buffer, the
 optimizer), which in-process recovery detaches and re-attaches (``megatier.parallel.state.detach_groups``).
@@ -91,15 +92,19 @@ class BucketedGather:
         bucket_of = {name: b for b in self.buckets for name in b.names}
         self._hooks = []
         for prefix, child in module.named_modules():
-            own = [bucket_of[f"{prefix}.{n}" if prefix else n] for n, _ in child.named_parameters(recurse=False)
-                   if (f"{prefix}.{n}" if prefix else n) in bucket_of]
-            if own:
-                last = max(own, key=lambda b: b.index)
-                self._hooks.append(child.register_forward_pre_hook(self._waiter(last.region, last.index)))
+            # The stage itself waits for its own parameters; any other module for its whole subtree's, since a
+            # module may read a child's weight without calling the child (F.linear(x, self.proj.weight)).
+            names = [f"{prefix}.{n}" if prefix else n for n, _ in child.named_parameters(recurse=child is not module)]
+            upto: dict[int, int] = {}
+            for b in (bucket_of[n] for n in names if n in bucket_of):
+                upto[b.region] = max(upto.get(b.region, -1), b.index)
+            if upto:
+                self._hooks.append(child.register_forward_pre_hook(self._waiter(upto)))
 
-    def _waiter(self, region: int, index: int):
+    def _waiter(self, upto: dict[int, int]):
         def wait(_module, _inputs) -> None:
-            self.wait(region, index)
+            for region, index in upto.items():
+                self.wait(region, index)
 
         return wait
 

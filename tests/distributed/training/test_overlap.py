@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import Optional
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from megatier.optim.buckets import bucket_numel
 from megatier.optim.overlap import BucketedReduce
 from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
+from tests.distributed.training.test_expert_parallel import MODEL as MOE_MODEL
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,8 +33,9 @@ OVERLAPPED = {"overlap_grad_reduce": True, "overlap_param_gather": True, "bucket
 GATHER_ONLY = {"overlap_param_gather": True, "bucket_mb": 0.02}
 
 
-def _train(tmp: str, prefix: str, name: str, tp: int, pp: int, sp: bool, parallel: dict) -> dict:
-    cfg = tiny_job(tmp, name, prefix, iters=STEPS, tp=tp, pp=pp, sequence_parallel=sp, run=name)
+def _train(tmp: str, prefix: str, name: str, tp: int, pp: int, sp: bool, parallel: dict,
+           model: Optional[dict] = None) -> dict:
+    cfg = tiny_job(tmp, name, prefix, iters=STEPS, tp=tp, pp=pp, sequence_parallel=sp, run=name, model=model)
     after_backward = parallel.get("bucketed_after_backward", False)
     for key, value in parallel.items():
         if key != "bucketed_after_backward":
@@ -53,7 +56,8 @@ def _train(tmp: str, prefix: str, name: str, tp: int, pp: int, sp: bool, paralle
     return out
 
 
-def _pair(rank: int, tmp: str, prefix: str, tp: int, pp: int, sp: bool, settings: list[dict]) -> list[dict]:
+def _pair(rank: int, tmp: str, prefix: str, tp: int, pp: int, sp: bool, settings: list[dict],
+          model: Optional[dict] = None) -> list[dict]:
     """Each setting's run in turn; a Trainer's close ends the world, so the next joins a new one."""
     out = []
     for i, setting in enumerate(settings):
@@ -61,7 +65,7 @@ def _pair(rank: int, tmp: str, prefix: str, tp: int, pp: int, sp: bool, settings
             world = int(os.environ["WORLD_SIZE"])
             dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"store{i}"), world), rank=rank,
                                     world_size=world, timeout=timedelta(seconds=60))
-        out.append(_train(tmp, prefix, f"run{i}", tp, pp, sp, setting))
+        out.append(_train(tmp, prefix, f"run{i}", tp, pp, sp, setting, model))
     return out
 
 
@@ -90,3 +94,11 @@ def test_overlapped_equals_bucketed_at_dp4(corpus_prefix, tmp_path):
     _assert_bitwise(runs, 0, 3)
     plain, overlapped = runs[0][0], runs[0][2]  # another summation order: equal to rounding
     torch.testing.assert_close(overlapped["master"], plain["master"], rtol=0, atol=1e-5)
+
+
+def test_overlapped_equals_plain_with_routed_experts(corpus_prefix, tmp_path):
+    """A mixture of experts at dp=2: the experts' region has buckets of its own, reduced after backward (over the
+    expert-data-parallel group, here the dp group) and gathered like the dense region's."""
+    runs = run_world(_pair, 2, tmp_path, str(tmp_path), corpus_prefix, 1, 1, False, [PLAIN, OVERLAPPED], MOE_MODEL,
+                     timeout_s=170)
+    _assert_bitwise(runs, 0, 1)
