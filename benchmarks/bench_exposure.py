@@ -3,8 +3,9 @@
 
     python benchmarks/bench_exposure.py                              # experiment=demo, 12 steps, 3 repeats
     python benchmarks/bench_exposure.py --steps 6 --warmup 2 --repeats 2 --parts layouts
+    python benchmarks/bench_exposure.py --steps 8 --warmup 2 --repeats 2 --parts overlap
 
-Two parts:
+Three parts:
 - ``layouts``: ``--procs`` gloo processes on this machine (a FileStore, one torch thread each) train the demo
   model without checkpointing in two layouts, alternately ``--repeats`` times: dp=4, and pp=2 x dp=2 (1F1B).
   ``train.micro_batch_size=2`` in both, so each dp rank of dp=4 runs 2 micro-batches a step and each pipeline of
@@ -12,6 +13,10 @@ Two parts:
   records; a run's figures are the median over the steps after the first ``--warmup`` of the step time (rank
   0's ``iter_time_s``), and of ``dp_wait_ms`` and ``pp_bubble_ms`` averaged over the ranks (pp: each stage's
   too). The table gives the median over repeats with min..max.
+- ``overlap``: the two layouts of ``layouts``, each with the overlapped data-parallel communication off, the
+  gradient reduction's on, the parameter gather's on, and both (``parallel.overlap_grad_reduce``,
+  ``parallel.overlap_param_gather``; the buckets' size ``--bucket-mb``), alternately ``--repeats`` times; the same
+  figures.
 - ``compile``: one process, the demo model as configured, ``model.compile`` off and on (inductor, unless
   ``--backend``) alternately ``--repeats`` times: the first step (compilation happens there) and the median
   step after ``--warmup``.
@@ -29,6 +34,8 @@ from datetime import timedelta
 from typing import Optional
 
 LAYOUTS = {"dp=4": 1, "pp=2 x dp=2": 2}  # name -> parallel.pp (dp is what the world leaves)
+OVERLAP = {"off": [], "grad": ["parallel.overlap_grad_reduce=true"], "param": ["parallel.overlap_param_gather=true"],
+           "both": ["parallel.overlap_grad_reduce=true", "parallel.overlap_param_gather=true"]}
 COMMON = ["checkpoint.enabled=false", "logging.progress=false", "logging.wandb.mode=disabled",
           f"train.eval_interval={10 ** 6}", "train.micro_batch_size=2"]
 
@@ -129,6 +136,24 @@ def layouts_table(runs: dict[str, list[dict]]) -> str:
                    "pp_bubble_ms by stage"), rows)
 
 
+def overlap_table(runs: dict[tuple[str, str], list[dict]]) -> str:
+    rows = [(layout, setting, spread([x["step_ms"] for x in r]), spread([x["dp_wait_ms"] for x in r]),
+             spread([x["dp_grad_wait_ms"] for x in r]), spread([x["dp_param_wait_ms"] for x in r]))
+            for (layout, setting), r in runs.items()]
+    return _table(("layout", "overlap", "step ms", "dp_wait_ms", "dp_grad_wait_ms", "dp_param_wait_ms"), rows)
+
+
+def overlap_part(args, overrides: list[str], tmp: str) -> str:
+    """The ``overlap`` part's runs, alternating settings within each repeat; its table."""
+    runs: dict[tuple[str, str], list[dict]] = {(n, s): [] for n in LAYOUTS for s in OVERLAP}
+    for repeat in range(args.repeats):
+        for (name, setting), results in runs.items():
+            flags = [*OVERLAP[setting], f"parallel.bucket_mb={args.bucket_mb}"]  # the buckets' size only
+            results.append(layout_run(args.procs, LAYOUTS[name], [*overrides, *flags], args.steps, args.warmup, tmp))
+            print(f"{name} overlap={setting} repeat {repeat}: {results[-1]}", file=sys.stderr)
+    return overlap_table(runs)
+
+
 def compile_table(runs: dict[bool, list[dict]]) -> str:
     rows = [("on" if on else "off", spread([x["first_step_ms"] for x in r]), spread([x["step_ms"] for x in r]))
             for on, r in runs.items()]
@@ -141,7 +166,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--parts", default="layouts,compile")
+    parser.add_argument("--parts", default="layouts,overlap,compile")
+    parser.add_argument("--bucket-mb", type=float, default=1.0, help="parallel.bucket_mb of the overlap part")
     parser.add_argument("--backend", default="inductor", help="model.compile_backend of the compile part")
     parser.add_argument("overrides", nargs="*", help="config overrides after --; default experiment=demo")
     args = parser.parse_args(argv)
@@ -156,6 +182,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     runs[name].append(layout_run(args.procs, pp, overrides, args.steps, args.warmup, tmp))
                     print(f"{name} repeat {repeat}: {runs[name][-1]}", file=sys.stderr)
             print(layouts_table(runs))
+        if "overlap" in args.parts:
+            print(overlap_part(args, overrides, tmp))
         if "compile" in args.parts:
             os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # the first step pays the whole compilation
             compiled: dict[bool, list[dict]] = {False: [], True: []}
