@@ -1,4 +1,5 @@
-"""The control-plane simulation at 1k ranks: the agreed point; rank 0 receives O(world), the others O(own units)."""
+"""The control-plane simulation at 1k ranks: the agreed point; rank 0 receives O(world), the others O(own units);
+the decision from node summaries grows as the nodes."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +9,7 @@ from benchmarks.bench_control_plane import World, main, parse_args, run
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_one_node_lost_in_a_world_of_1k_ranks_recovers_to_the_end_of_its_chain(capsys):
+def test_a_node_lost_in_1k_ranks_recovers_and_the_node_summaries_decide_in_o_nodes(capsys):
     rows = main(["--ranks", "512,1024"])
     small, big = rows
     assert (big["version"], big["end"], big["rounds"]) == (50, 100, 1 + 10)  # base 50, ten batches of 5 steps
@@ -28,23 +29,10 @@ def test_one_node_lost_in_a_world_of_1k_ranks_recovers_to_the_end_of_its_chain(c
     assert 1.9 < big["round_member_bytes"] / small["round_member_bytes"] < 2.1
     out = capsys.readouterr().out
     assert "| 1,024 |" in out and "growth x" in out
-
-
-def test_a_world_the_layout_cannot_hold_is_refused_in_one_line(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--ranks", "1000"])
-    assert "multiple of 128" in capsys.readouterr().err
-
-
-def test_without_a_lost_node_nobody_fetches_from_elsewhere():
-    assert run(World(384, 5, lost=-1))["transfers"] == 0
-
-
-def test_the_decision_from_node_summaries_grows_as_the_nodes_and_cuts_rank_0s_plans():
-    """1k and 2k ranks: the decider reads a few holdings per node, receives and holds O(nodes) bytes, sends every
-    leader an O(nodes) point; a leader receives its ranks' copies only; every plan equals the one rank 0 cut
-    from the whole inventory. Counted in items and bytes, not seconds."""
-    small, big = run(World(1024, 5)), run(World(2048, 5))
+    # The decision from node summaries (restore's first path), same runs: the decider reads a few holdings per
+    # node, receives and holds O(nodes) bytes, sends every leader an O(nodes) point; a leader receives its
+    # ranks' copies only; every plan equals the one rank 0 cut from the whole inventory. Items and bytes, not
+    # seconds.
     assert small["new_mismatched"] == [] and big["new_mismatched"] == []
     assert (big["new_version"], big["new_end"]) == (big["version"], big["end"]) == (50, 100)
     nodes = big["nodes"] / small["nodes"]
@@ -56,9 +44,19 @@ def test_the_decision_from_node_summaries_grows_as_the_nodes_and_cuts_rank_0s_pl
     assert big["t3_header_bytes"] / small["t3_header_bytes"] <= 1.05 * nodes
     assert small["t3_leader_read_bytes"] > 0
     assert 0.95 < big["t3_leader_read_bytes"] / small["t3_leader_read_bytes"] < 1.05
-    assert big["new_summary_bytes"] == small["new_summary_bytes"]
+    assert 0.99 < big["new_summary_bytes"] / small["new_summary_bytes"] < 1.01  # node names gain a digit
     assert big["new_leader_receives"] == small["new_leader_receives"]  # the copies of its own 8 ranks' units
     assert big["new_leader_peak"] < 1.1 * small["new_leader_peak"]
     # Against rank 0's whole inventory, O(world) stamps: the decider receives and holds a small fraction of it.
     assert big["new_decider_receives"] * 10 < big["rank0_receives"]
     assert big["new_decider_peak"] * 20 < big["rank0_holds"]
+
+
+def test_a_world_the_layout_cannot_hold_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--ranks", "1000"])
+    assert "multiple of 128" in capsys.readouterr().err
+
+
+def test_without_a_lost_node_nobody_fetches_from_elsewhere():
+    assert run(World(384, 5, lost=-1))["transfers"] == 0
