@@ -1,6 +1,6 @@
-"""A lossless software-failure drill with overlapped data-parallel communication ends bit-identical to its
-fault-free run (2 nodes x 2 processes, tp=2 x dp=2, both overlaps on, buckets of 0.02 MiB): the restored shards
-and the replayed diffs are the overlapped run's own, and its steps after the restore are too."""
+"""Lossless failure drills with overlapped data-parallel communication end bit-identical to their fault-free run
+(2 nodes x 2 processes, tp=2 x dp=2, both overlaps on, buckets of 0.02 MiB): after a relaunch, and recovered in
+place by a hot spare, whose survivors drop the bucket collectives in flight on the failed world."""
 from __future__ import annotations
 
 import pytest
@@ -12,13 +12,27 @@ OVERLAPPED = [*[o for o in DRILL if not o.startswith(("train.iters=", "checkpoin
               "parallel.overlap_param_gather=true", "parallel.bucket_mb=0.02"]
 
 
-@pytest.mark.timeout(600)
-def test_software_failure_with_overlap_recovers_bit_identical(tmp_path):
-    (tmp_path / "reference").mkdir()
-    status, _ = run_job(tmp_path / "reference", [*OVERLAPPED, "checkpoint.enabled=false"], nodes=2, procs=2)
+@pytest.fixture(scope="module")
+def overlapped_reference(tmp_path_factory) -> str:
+    work = tmp_path_factory.mktemp("overlap_ref")
+    status, _ = run_job(work, [*OVERLAPPED, "checkpoint.enabled=false"], nodes=2, procs=2)
     assert status == 0
+    return summary(work)["state_digest"]
+
+
+@pytest.mark.timeout(600)
+def test_software_failure_with_overlap_recovers_bit_identical(tmp_path, overlapped_reference):
     report = drill(tmp_path, "--fail", "software", "--at-step", "16", overrides=OVERLAPPED)
     assert report["ok"], report["stdout"]
     (rec,) = report["recoveries"]
     assert rec["failure_class"] == "software" and rec["end"] >= 10
-    assert report["final_digest"] == summary(tmp_path / "reference")["state_digest"]
+    assert report["final_digest"] == overlapped_reference
+
+
+@pytest.mark.timeout(600)
+def test_in_place_recovery_with_overlap_is_bit_identical(tmp_path, overlapped_reference):
+    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "software", "--at-step", "12", overrides=OVERLAPPED)
+    assert report["ok"] and report["returncode"] == 0, report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["end"] == 12 and rec["ranks_in_place"] == [0, 1, 2], rec
+    assert report["final_digest"] == overlapped_reference
