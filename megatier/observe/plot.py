@@ -8,6 +8,8 @@
     recovery_points.png  rpo_software / rpo_node / rpo_rack against the current step
     goodput.png          goodput per step and the final breakdown into goodput_<part>_s
     tier_bytes.png       bytes written per step (diff_bytes, base_bytes) and held (every other *_bytes key)
+    moe_router.png       a mixture of experts' router: aux and z losses, tokens per expert (min, max), dropped
+                         tokens
 
 A figure whose metrics the run did not log (no checkpointing: no recovery points; a run without the goodput
 ledger: no goodput) is skipped, with the reason. Figures are drawn on ``matplotlib.figure.Figure`` objects,
@@ -211,6 +213,25 @@ def tier_bytes_figure(history: RunHistory) -> Figure:
     return fig
 
 
+def moe_router_figure(history: RunHistory) -> Figure:
+    """The router's health per step: its losses (moe_aux_loss, moe_z_loss), the load of the least and most
+    used expert (moe_tokens_per_expert_min/max: a collapsing router drives them apart) and dropped tokens."""
+    if not history.series("moe_aux_loss"):
+        raise NothingToPlot("no moe_aux_loss in the step records (a model without model.moe)")
+    fig, (losses, load) = _figure(2)
+    _lines(losses, history, "moe_aux_loss", "moe_aux_loss", lw=0.8)
+    _lines(losses, history, "moe_z_loss", "moe_z_loss", lw=0.8)
+    losses.set(ylabel="router loss", title="mixture of experts: router losses and expert load")
+    _lines(load, history, "moe_tokens_per_expert_min", "tokens per expert (min)", lw=0.8)
+    _lines(load, history, "moe_tokens_per_expert_max", "tokens per expert (max)", lw=0.8)
+    _lines(load, history, "moe_dropped_tokens", "dropped tokens", lw=0.8, color="tab:red")
+    load.set(xlabel="step", ylabel="tokens")
+    for ax in (losses, load):
+        mark_recoveries(ax, history)
+        _legend(ax, "outside")
+    return fig
+
+
 # File name -> (figure function, what it shows). A tuple: the set of figures is fixed.
 FIGURES: tuple[tuple[str, Callable[[RunHistory], Figure], str], ...] = (
     ("loss.png", loss_figure, "loss and val_loss against step, failures and resumptions marked"),
@@ -218,6 +239,7 @@ FIGURES: tuple[tuple[str, Callable[[RunHistory], Figure], str], ...] = (
     ("recovery_points.png", recovery_points_figure, "rpo_software/node/rack against the current step"),
     ("goodput.png", goodput_figure, "goodput per step and the wall-time breakdown"),
     ("tier_bytes.png", tier_bytes_figure, "checkpoint bytes written per step and held per tier"),
+    ("moe_router.png", moe_router_figure, "router losses, tokens per expert (min, max) and dropped tokens"),
 )
 
 

@@ -68,7 +68,8 @@ def test_a_drills_figures_mark_each_failure_and_resumption(drill_dir, tmp_path):
     bars = {p.get_gid(): p.get_width() for ax in goodput_figure(history).axes for p in ax.patches if p.get_gid()}
     assert bars == PARTS  # from the summary; goodput_wall_s is their sum, not a part
     result = write_plots(str(drill_dir), str(tmp_path / "out"))
-    assert {os.path.basename(p) for p in result.written} == ALWAYS | {"goodput.png"} and not result.skipped
+    assert {os.path.basename(p) for p in result.written} == ALWAYS | {"goodput.png"}
+    assert set(result.skipped) == {"moe_router.png"}  # a dense run
     for path in result.written:
         assert os.path.dirname(path) == str(tmp_path / "out") and os.path.getsize(path) > 10_000
 
