@@ -47,7 +47,7 @@ def test_a_node_of_spares_replaces_a_lost_node_from_tier2(tmp_path, drill_refere
 
 def test_a_hung_rank_is_left_out_and_replaced(tmp_path, drill_reference):
     overrides = [*[o for o in DRILL if not o.startswith("parallel.timeout_s=")], "parallel.timeout_s=8",
-                 "recovery.round_timeout_s=3"]
+                 "recovery.round_timeout_s=6"]
     report = drill(tmp_path, "--recovery", "inprocess", "--fail", "hang", "--at-step", "19", overrides=overrides)
     assert report["ok"] and report["returncode"] == 0, report["stdout"]
     (rec,) = report["recoveries"]
