@@ -106,20 +106,24 @@ def summary(work: Path) -> dict:
     return [r for r in records(work) if r.get("event") == "summary"][-1]
 
 
-@pytest.fixture(scope="module")
-def llama_reference(tmp_path_factory) -> str:
-    work = tmp_path_factory.mktemp("llama_ref")
-    status, _ = run_job(work, [*LLAMA_DRILL, "checkpoint.enabled=false"], nodes=2, procs=2)
+def fault_free_digest(tmp_path_factory, name: str, overrides: list[str], *, nodes: int = 2,
+                      procs: int = 2) -> str:
+    """The final state digest of the job of ``overrides`` run without a failure and without checkpointing (the
+    drills' reference: checkpointing must not change training)."""
+    work = tmp_path_factory.mktemp(name)
+    status, _ = run_job(work, [*overrides, "checkpoint.enabled=false"], nodes=nodes, procs=procs)
     assert status == 0
     return summary(work)["state_digest"]
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory) -> str:
+    return fault_free_digest(tmp_path_factory, "llama_ref", LLAMA_DRILL)
 
 
 @pytest.fixture(scope="module")
 def points_reference(tmp_path_factory) -> str:
-    work = tmp_path_factory.mktemp("points_ref")
-    status, _ = run_job(work, [*POINTS, "checkpoint.enabled=false"], nodes=2, procs=1)
-    assert status == 0
-    return summary(work)["state_digest"]
+    return fault_free_digest(tmp_path_factory, "points_ref", POINTS, procs=1)
 
 
 # ---- the three classes, lossless, bit-identical ------------------------------------------------------

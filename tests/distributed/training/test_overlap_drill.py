@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.cli.test_drill import DRILL, drill, run_job, summary
+from tests.distributed.cli.test_drill import DRILL, drill, fault_free_digest
 
 OVERLAPPED = [*[o for o in DRILL if not o.startswith(("train.iters=", "checkpoint.base_interval="))],
               "train.iters=20", "checkpoint.base_interval=10", "parallel.overlap_grad_reduce=true",
@@ -14,10 +14,7 @@ OVERLAPPED = [*[o for o in DRILL if not o.startswith(("train.iters=", "checkpoin
 
 @pytest.fixture(scope="module")
 def overlapped_reference(tmp_path_factory) -> str:
-    work = tmp_path_factory.mktemp("overlap_ref")
-    status, _ = run_job(work, [*OVERLAPPED, "checkpoint.enabled=false"], nodes=2, procs=2)
-    assert status == 0
-    return summary(work)["state_digest"]
+    return fault_free_digest(tmp_path_factory, "overlap_ref", OVERLAPPED)
 
 
 @pytest.mark.timeout(600)
