@@ -1,8 +1,8 @@
 """The training command's console: log records as bare lines, libraries' chatter kept out, MegaTier's warnings
 as one line, and every line clear of the progress bar.
 
-- Log records go to stdout through ``tqdm.write``: a line logged while the bar is drawn would otherwise be
-  glued to the bar's last frame ("  5%|▌ | 1/20 [...]capture schedule: ...").
+- Log records go to stdout with the bar cleared (``tqdm.external_write_mode``): a line logged while the bar is
+  drawn would otherwise be glued to the bar's last frame ("  5%|▌ | 1/20 [...]capture schedule: ...").
 - botocore and its kin log at INFO what only matters when debugging them ("Found credentials in environment
   variables."): they print from WARNING on.
 - A warning MegaTier raises (its category is defined in megatier) is one line on stderr, printed by global
@@ -24,8 +24,10 @@ class _ClearOfTheBar(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         from tqdm import tqdm
 
-        try:
-            tqdm.write(self.format(record), file=self.stream)
+        try:  # flushed before the bar is redrawn: a pipe's buffer would otherwise put the line after the frame
+            with tqdm.external_write_mode(file=self.stream):
+                self.stream.write(self.format(record) + self.terminator)
+                self.flush()
         except Exception:  # logging's contract: a failing handler reports, never raises
             self.handleError(record)
 
