@@ -85,9 +85,21 @@ def read_param_state(path: str, params: list[tuple[str, int]], shapes: dict[str,
             for kind, value in flat.items()}
 
 
-def param_state(tensors: dict[str, dict[str, torch.Tensor]], params: list[tuple[str, int]]) -> dict:
-    """A ``distrib_optim.pt``'s content (one fp32 bucket) for kind -> name -> this rank's tensor."""
-    where, total = buffer_layout(params, None)
+def stage_buffer(bucket_size: Optional[int], stage: int, stages: int, tied: bool = True
+                 ) -> tuple[Optional[int], tuple[str, ...]]:
+    """(bucket size, shared embedding names) of pipeline stage ``stage``'s gradient buffer: Megatron-core's
+    DistributedDataParallel buckets the first stage only, and with several stages a tied word embedding (the
+    first stage's embedding, the last's copy of it as ``output_layer``) sits in a bucket of its own."""
+    shared = () if stages == 1 or not tied else \
+        ("embedding.word_embeddings.weight",) if stage == 0 else ("output_layer.weight",)
+    return (bucket_size if stage == 0 else None), shared
+
+
+def param_state(tensors: dict[str, dict[str, torch.Tensor]], params: list[tuple[str, int]],
+                bucket_size: Optional[int] = None, shared: tuple[str, ...] = ()) -> dict:
+    """A ``distrib_optim.pt``'s content (fp32, buckets of ``bucket_size``, ``shared`` alone in its bucket) for
+    kind -> name -> this rank's tensor."""
+    where, total = buffer_layout(params, bucket_size, shared)
     out: dict[str, object] = {}
     for kind, key in STATE_KEYS.items():
         flat = torch.zeros(total, dtype=torch.float32)

@@ -10,9 +10,10 @@ rows, row-parallel: columns, the vocabulary: rows), the pipeline stages' local l
 the result is the stacked ``torch_dist`` layout :mod:`megatier.interop.megatron_dist` reads.
 
 A checkpoint without ``distrib_optim.pt`` (Megatron's non-distributed optimizer keys its state by parameter-group
-order) carries the weights alone: Adam's moments start at zero (said in one line). Export writes the local-spec
-names (``input_layernorm``, ``pre_mlp_layernorm``) at ``tp`` ranks and one pipeline stage, with
-``distrib_optim.pt`` in one bucket (the arguments say overlap_grad_reduce=False).
+order) carries the weights alone: Adam's moments start at zero (said in one line). With several pipeline stages the
+last holds a tied embedding's copy as ``output_layer.weight``; it is read for the buffer's layout and dropped.
+Export writes the local-spec names (``input_layernorm``, ``pre_mlp_layernorm``) at ``tp`` x ``pp`` ranks, layers
+split evenly over the stages, and ``distrib_optim.pt`` in Megatron-core's buckets for the bucket size asked.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ import torch
 from megatier.config import ModelConfig, OptimConfig
 from megatier.interop.job_state import KINDS, JobFormatError, JobState, check_model, check_shapes
 from megatier.interop.megatron_dist import check_keys, global_tensors, param_groups, to_canonical, tracked_iteration
-from megatier.interop.megatron_distrib_optim import bucket_size_of, param_state, read_param_state
+from megatier.interop.megatron_distrib_optim import bucket_size_of, param_state, read_param_state, stage_buffer
 
 # Local-spec names -> the names torch_dist uses (Transformer Engine's fused layer norms).
 _ALIASES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -62,18 +63,28 @@ def _rank_dirs(where: str) -> dict[tuple[int, int], str]:
     return out
 
 
+def _tied(args) -> bool:
+    return not getattr(args, "untie_embeddings_and_output_weights", False)
+
+
 def _rank_state(rank_dir: str, ckpt: dict, pp: int, pps: int) -> dict[str, dict[str, torch.Tensor]]:
     """kind -> key -> this rank's tensor: ``weights`` (the model's), and where ``distrib_optim.pt`` is there the
-    distributed optimizer's master and moments."""
+    distributed optimizer's master and moments. The last stage's copy of a tied embedding (``output_layer``
+    with several stages) is read for the buffer's layout and then dropped: the first stage's is the same."""
     model = {k: v for k, v in ckpt["model"].items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+    args = ckpt.get("args")
+    copy = ("output_layer.weight",) if pps > 1 and _tied(args) else ()
     path = os.path.join(rank_dir, "distrib_optim.pt")
     if not os.path.isfile(path):
-        return {"weights": model}
-    shared = () if pps == 1 else ("embedding.word_embeddings.weight",) if pp == 0 else ("output_layer.weight",)
-    bucket = bucket_size_of(ckpt.get("args")) if pp == 0 else None  # Megatron buckets the first stage only
+        return {"weights": _without(model, copy)}
+    bucket, shared = stage_buffer(bucket_size_of(args), pp, pps, _tied(args))
     params = [(k, v.numel()) for k, v in model.items()]
     state = read_param_state(path, params, {k: v.shape for k, v in model.items()}, bucket, shared)
-    return {"weights": model, **state}
+    return {"weights": _without(model, copy), **{kind: _without(v, copy) for kind, v in state.items()}}
+
+
+def _without(tensors: dict[str, torch.Tensor], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if k not in keys}
 
 
 def _ranks(where: str) -> tuple[dict[tuple[int, int], dict], dict[tuple[int, int], dict]]:
@@ -155,55 +166,82 @@ def load_megatron_legacy(path: str, m: ModelConfig, vocab: int, o: Optional[Opti
                     notes=notes)
 
 
-def _local_keys(num_layers: int) -> list[tuple[str, str, Optional[int]]]:
-    """(local-spec key, torch_dist key, layer) in a GPTModel's parameter order."""
-    out = [("embedding.word_embeddings.weight",) * 2 + (None,), ("embedding.position_embeddings.weight",) * 2 + (None,)]
-    for i in range(num_layers):
-        out += [(f"decoder.layers.{i}.{k}", f"decoder.layers.{_ALIASES.get(k, k)}", i) for k in _LAYER_ORDER]
-    return out + [("decoder.final_layernorm.weight",) * 2 + (None,), ("decoder.final_layernorm.bias",) * 2 + (None,)]
-
-
-def _rank_tensors(job: JobState, m: ModelConfig, tp: int, padded: int) -> list[dict[str, dict[str, torch.Tensor]]]:
-    """Per tp rank: kind -> local-spec key -> that rank's slice."""
-    out = [{kind: {} for kind in KINDS} for _ in range(tp)]
-    for kind in KINDS:
-        full = global_tensors(job, m, kind, padded)
-        for key, theirs, layer in _local_keys(m.num_layers):
-            value = full[theirs] if layer is None else full[theirs][layer]
-            dim = _tp_dim(key)
-            parts = [value] * tp if dim is None else value.chunk(tp, dim=dim)
-            for t in range(tp):
-                out[t][kind][key] = parts[t].clone()
+def _stage_keys(num_layers: int, stage: int, stages: int) -> list[tuple[str, str, Optional[int]]]:
+    """(local-spec key, torch_dist key, global layer) of pipeline stage ``stage`` in a GPTModel's parameter order:
+    the embeddings on the first stage, ``num_layers / stages`` layers numbered from 0 on each, the final norm
+    on the last, and there, with several stages, ``output_layer`` (the tied embedding's copy)."""
+    per, out = num_layers // stages, []
+    if stage == 0:
+        out += [(k, k, None) for k in ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")]
+    for i in range(per):
+        out += [(f"decoder.layers.{i}.{k}", f"decoder.layers.{_ALIASES.get(k, k)}", stage * per + i)
+                for k in _LAYER_ORDER]
+    if stage == stages - 1:
+        out += [(k, k, None) for k in ("decoder.final_layernorm.weight", "decoder.final_layernorm.bias")]
+        if stages > 1:
+            out.append(("output_layer.weight", "embedding.word_embeddings.weight", None))
     return out
 
 
-def _args(job: JobState, m: ModelConfig, tp: int, padded: int) -> argparse.Namespace:
+def _rank_tensors(job: JobState, m: ModelConfig, tp: int, pp: int,
+                  padded: int) -> dict[tuple[int, int], dict[str, dict[str, torch.Tensor]]]:
+    """(tp rank, pp rank) -> kind -> local-spec key -> that rank's slice."""
+    out = {(t, s): {kind: {} for kind in KINDS} for s in range(pp) for t in range(tp)}
+    for kind in KINDS:
+        full = global_tensors(job, m, kind, padded)
+        for s in range(pp):
+            for key, theirs, layer in _stage_keys(m.num_layers, s, pp):
+                value = full[theirs] if layer is None else full[theirs][layer]
+                dim = _tp_dim(key)
+                parts = [value] * tp if dim is None else value.chunk(tp, dim=dim)
+                for t in range(tp):
+                    out[(t, s)][kind][key] = parts[t].clone()
+    return out
+
+
+def _args(job: JobState, m: ModelConfig, tp: int, pp: int, padded: int,
+          bucket_size: Optional[int]) -> argparse.Namespace:
     return argparse.Namespace(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_heads,
                               max_position_embeddings=m.max_position_embeddings, padded_vocab_size=padded,
-                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
-                              use_distributed_optimizer=True, overlap_grad_reduce=False, ckpt_format="torch",
-                              consumed_train_samples=job.consumed_samples or 0, consumed_valid_samples=0)
+                              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              untie_embeddings_and_output_weights=False, use_distributed_optimizer=True,
+                              overlap_grad_reduce=bucket_size is not None, ddp_bucket_size=bucket_size,
+                              ckpt_format="torch", consumed_train_samples=job.consumed_samples or 0,
+                              consumed_valid_samples=0)
+
+
+def _check_layout(m: ModelConfig, tp: int, pp: int, bucket_size: Optional[int]) -> None:
+    if m.num_heads % tp or m.ffn_hidden_size and m.ffn_hidden_size % tp:
+        raise JobFormatError(f"--tp {tp} does not divide the model's heads ({m.num_heads}) and ffn size")
+    if m.num_layers % pp:
+        raise JobFormatError(f"pp={pp} does not divide model.num_layers={m.num_layers}; Megatron-LM's even "
+                             f"split needs a pp that does")
+    if bucket_size is not None and bucket_size < 1:
+        raise JobFormatError(f"bucket_size={bucket_size}: give a positive number of elements, or None for one bucket")
 
 
 def export_megatron_legacy(job: JobState, m: ModelConfig, o: OptimConfig, save_dir: str, lr: float,
-                           tp: int = 1) -> str:
-    """Write ``save_dir``/iter_NNNNNNN/mp_rank_TT (``tp`` ranks, one stage) as Megatron-LM's torch format saves a
-    job with the distributed optimizer, and the tracker file; returns the iteration directory."""
+                           tp: int = 1, pp: int = 1, bucket_size: Optional[int] = None) -> str:
+    """Write ``save_dir``/iter_NNNNNNN/mp_rank_TT[_PPP] (``tp`` x ``pp`` ranks, the ``_PPP`` suffix only when
+    pp > 1) as Megatron-LM's torch format saves a job with the distributed optimizer, and the tracker file;
+    returns the iteration directory. ``bucket_size`` (elements) splits the first stage's ``distrib_optim.pt`` as
+    ``--overlap-grad-reduce --ddp-bucket-size`` does (None: one bucket, overlap off)."""
     check_model("megatron_legacy", m, "gpt2")
-    if m.num_heads % tp or m.ffn_hidden_size and m.ffn_hidden_size % tp:
-        raise JobFormatError(f"--tp {tp} does not divide the model's heads ({m.num_heads}) and ffn size")
+    _check_layout(m, tp, pp, bucket_size)
     step = m.make_vocab_size_divisible_by * tp
     padded = math.ceil(job.canonical["word.weight"]["master"].shape[0] / step) * step
     where = os.path.join(save_dir, f"iter_{job.iteration:07d}")
-    for t, tensors in enumerate(_rank_tensors(job, m, tp, padded)):
-        rank_dir = os.path.join(where, f"mp_rank_{t:02d}")
+    args = _args(job, m, tp, pp, padded, bucket_size)
+    for (t, s), tensors in _rank_tensors(job, m, tp, pp, padded).items():
+        rank_dir = os.path.join(where, f"mp_rank_{t:02d}" + (f"_{s:03d}" if pp > 1 else ""))
         os.makedirs(rank_dir)
-        torch.save({"args": _args(job, m, tp, padded), "checkpoint_version": 3.0, "iteration": job.iteration,
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": job.iteration,
                     "model": tensors["master"], "optimizer": {"optimizer": {"param_groups": param_groups(job, o, lr)}},
                     "opt_param_scheduler": {"max_lr": o.lr, "min_lr": o.min_lr, "num_steps": job.consumed_samples},
                     "num_floating_point_operations_so_far": 0}, os.path.join(rank_dir, "model_optim_rng.pt"))
         params = [(k, v.numel()) for k, v in tensors["master"].items()]
-        torch.save(param_state(tensors, params), os.path.join(rank_dir, "distrib_optim.pt"))
+        bucket, shared = stage_buffer(bucket_size, s, pp)
+        torch.save(param_state(tensors, params, bucket, shared), os.path.join(rank_dir, "distrib_optim.pt"))
     with open(os.path.join(save_dir, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(job.iteration))
     return where
