@@ -73,7 +73,7 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
 # before a key existed has the same fingerprint as one that leaves it there, so an upgrade refuses no relaunch.
 ADDED_LATER = {"optim.warmup_fraction": None, "optim.warmup_init_lr": 0.0, "optim.decay_style": "cosine",
                "optim.wsd_decay_iters": None, "optim.wsd_decay_style": "exponential",
-               "train.rampup_batch_size": None,
+               "train.rampup_batch_size": None, "model.qkv_bias": False,
                **{f"model.moe.{key}": value for key, value in dataclasses.asdict(MoEConfig()).items()}}
 
 

@@ -68,6 +68,9 @@ class ModelConfig:
     ffn_hidden_size: Optional[int] = None
     # llama: the key/value heads (grouped-query attention; None: one per query head); tp must divide them.
     num_query_groups: Optional[int] = None
+    # llama: biases on the query, key and value projections (not on the output projection), as Qwen2 and
+    # Qwen2-MoE have; the Hugging Face export is then a Qwen2 (megatier.interop.qwen2_moe). Native blocks only.
+    qkv_bias: bool = False
     # llama: the base of the rotary position embedding's frequencies.
     rope_theta: float = 10000.0
     max_position_embeddings: int = 128

@@ -50,7 +50,11 @@ def _validate_arch(m: ModelConfig, tp: int) -> None:
     if m.arch != "llama":
         _require(m.num_query_groups is None, f"model.num_query_groups={m.num_query_groups} is for model.arch=llama "
                                              f"(grouped-query attention); unset it for {m.arch}")
+        _require(not m.qkv_bias, f"model.qkv_bias=true is for model.arch=llama ({m.arch}'s fused qkv projection "
+                                 f"always has a bias); set model.qkv_bias=false")
         return
+    _require(not m.qkv_bias or m.impl == "native", "model.qkv_bias=true: the Transformer Engine Llama block has "
+                                                   "no biases; set model.impl=native or model.qkv_bias=false")
     groups = m.num_query_groups or m.num_heads
     _require(groups > 0 and m.num_heads % groups == 0, f"model.num_query_groups={groups} must divide "
                                                        f"model.num_heads={m.num_heads}")

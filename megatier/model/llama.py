@@ -1,13 +1,16 @@
 """The Llama-family block on the tensor-parallel layers: RMSNorm, rotary positions, grouped-query attention, a
-SwiGLU MLP, no biases (``model.arch=llama``). It computes what ``transformers.LlamaForCausalLM``'s decoder layer
-computes, in the same order of operations, so the two agree to float rounding (the tests hold them to it).
+SwiGLU MLP, no biases but Qwen2's optional ones on q, k and v (``model.qkv_bias``) (``model.arch=llama``). It
+computes what ``transformers.LlamaForCausalLM``'s (or Qwen2's) decoder layer computes, in the same order of
+operations, so the two agree to float rounding (the tests hold them to it).
 
 Parameters, with the Hugging Face tensors they hold (:mod:`megatier.interop.llama`):
 
     ln1.weight          input_layernorm.weight
     attn.q.weight       self_attn.q_proj.weight                     column-parallel: q heads cut across tp
+    attn.q.bias         self_attn.q_proj.bias                       with ``model.qkv_bias``, cut as q's rows
     attn.kv.weight      k_proj.weight and v_proj.weight, stacked     column-parallel, stride 2: each rank keeps
                                                                      its k heads and its v heads
+    attn.kv.bias        k_proj.bias and v_proj.bias, stacked         with ``model.qkv_bias``, cut as kv's rows
     attn.proj.weight    self_attn.o_proj.weight                     row-parallel
     ln2.weight          post_attention_layernorm.weight
     mlp.gate_up.weight  gate_proj.weight and up_proj.weight, stacked column-parallel, stride 2
@@ -108,9 +111,9 @@ class LlamaAttention(nn.Module):
         groups = cfg.num_query_groups or cfg.num_heads
         self.heads = GroupedAttention(cfg, dist.get_world_size(group))
         h, hd = cfg.hidden_size, self.heads.head_dim
-        self.q = ColumnParallelLinear(h, cfg.num_heads * hd, group=group, bias=False,
+        self.q = ColumnParallelLinear(h, cfg.num_heads * hd, group=group, bias=cfg.qkv_bias,
                                       sequence_parallel=sequence_parallel)
-        self.kv = ColumnParallelLinear(h, 2 * groups * hd, group=group, bias=False, stride=2,
+        self.kv = ColumnParallelLinear(h, 2 * groups * hd, group=group, bias=cfg.qkv_bias, stride=2,
                                        sequence_parallel=sequence_parallel)
         self.proj = RowParallelLinear(cfg.num_heads * hd, h, group=group, bias=False,
                                       sequence_parallel=sequence_parallel)

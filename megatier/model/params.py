@@ -86,6 +86,8 @@ def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, 
                      "attn.proj.weight": (h, heads * hd), "ln2.weight": (h,), "mlp.gate_up.weight": (2 * ffn, h),
                      "mlp.proj.weight": (h, ffn)}
         final = {"final_norm.weight": (h,), "head_weight": (vocab_size, h)}
+        if cfg.qkv_bias:
+            per_layer = _with_qkv_bias(per_layer)
     else:
         shapes = {"word.weight": (vocab_size, h), "pos.weight": (cfg.max_position_embeddings, h)}
         per_layer = {"ln1.weight": (h,), "ln1.bias": (h,), "attn.qkv.weight": (3 * h, h),
@@ -99,6 +101,17 @@ def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, 
                        if not (key.startswith("mlp.") and is_moe_layer(cfg, i))})
     shapes.update(final)
     return shapes
+
+
+def _with_qkv_bias(per_layer: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """A Llama layer's parameters with q's and kv's biases (``model.qkv_bias``), each after its weight: the order
+    the layer registers them."""
+    out = {}
+    for key, shape in per_layer.items():
+        out[key] = shape
+        if key in ("attn.q.weight", "attn.kv.weight"):
+            out[key.replace(".weight", ".bias")] = shape[:1]
+    return out
 
 
 def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -116,12 +129,13 @@ def moe_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 # How the parallel layers cut each parameter across tp ranks, (dim, stride) by name (a layer's without its
 # "layers.<i>." prefix); absent: replicated. ColumnParallelLinear cuts output rows (GPT-2's fused qkv in 3
-# blocks, Llama's stacked k/v and gate/up in 2), RowParallelLinear input columns (its bias replicated), the
-# vocabulary embedding and the head vocabulary rows.
+# blocks, Llama's stacked k/v and gate/up in 2, a bias as its weight's rows), RowParallelLinear input columns (its
+# bias replicated), the vocabulary embedding and the head vocabulary rows.
 TP_SPLITS = {"word.weight": (0, 1), "head_weight": (0, 1), "word_replica.weight": (0, 1),
              "head_replica.weight": (0, 1), "attn.qkv.weight": (0, 3), "attn.qkv.bias": (0, 3),
              "attn.proj.weight": (1, 1), "mlp.fc.weight": (0, 1), "mlp.fc.bias": (0, 1), "mlp.proj.weight": (1, 1),
              "attn.q.weight": (0, 1), "attn.kv.weight": (0, 2), "mlp.gate_up.weight": (0, 2),
+             "attn.q.bias": (0, 1), "attn.kv.bias": (0, 2),
              "moe.experts.*.gate_up.weight": (0, 2), "moe.experts.*.proj.weight": (1, 1),
              "moe.shared.gate_up.weight": (0, 2), "moe.shared.proj.weight": (1, 1)}
 

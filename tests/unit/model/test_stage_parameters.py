@@ -47,11 +47,14 @@ def test_stage_parameters_are_the_built_stages(stage, tp, tp_rank):
 
 @pytest.mark.parametrize("tp,tp_rank", [(1, 0), (2, 1), (4, 3)])
 @pytest.mark.parametrize("stage", ["whole", "first", "middle", "last"])
-def test_llama_stage_parameters_are_the_built_stages(stage, tp, tp_rank):
+@pytest.mark.parametrize("qkv_bias", [False, True])
+def test_llama_stage_parameters_are_the_built_stages(stage, tp, tp_rank, qkv_bias):
     layers, first, last = STAGES[stage]
     spec = StageSpec(layers, first, last, tp_rank=tp_rank, tp=tp)
-    built, _ = _built(spec, LLAMA)
-    assert [tuple(p) for p in stage_parameters(LLAMA, VOCAB, spec)] == built
+    cfg = ModelConfig(**{**LLAMA.__dict__, "qkv_bias": qkv_bias})
+    built, _ = _built(spec, cfg)
+    assert [tuple(p) for p in stage_parameters(cfg, VOCAB, spec)] == built
+    assert (f"layers.{layers[0]}.attn.kv.bias" in [b[0] for b in built]) == qkv_bias
     names = [b[0] for b in built]
     assert ("head_weight" in names) == last and "pos.weight" not in names  # untied head, rotary positions
     assert all(b[5] == "" for b in built)  # no copies: the head is a parameter of its own
