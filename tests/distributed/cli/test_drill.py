@@ -28,6 +28,11 @@ DRILL = ["model=tiny", "parallel.tp=2", "train.iters=30", "checkpoint.base_inter
          "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.timeout_s=30"]
 # The same job as a Llama-family model (grouped-query attention: tp=2 divides its 2 key/value heads).
 LLAMA_DRILL = ["model=llama_tiny" if o == "model=tiny" else o for o in DRILL]
+# A tiny mixture of experts at ep=2 x dp=2, 2 nodes x 1 process: each node holds half the experts. Base 10 is whole
+# on the ring peer by step 17 (Tier-2 pacing leaves a margin of 2 steps before base 20), so a failure at 19 finds it.
+MOE_DRILL = ["model=tiny_moe", "parallel.ep=2", "train.iters=20", "checkpoint.base_interval=10",
+             "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "data.seq_len=64",
+             "train.global_batch_size=4", "train.micro_batch_size=2", "parallel.timeout_s=30"]
 # 2 nodes x 1 process for the crash points: every point is reached within 30 steps with bases every 10.
 POINTS = ["model=tiny", "train.iters=30", "checkpoint=tiered", "checkpoint.base_interval=10",
           "checkpoint.diff.compression=fp32", "logging.wandb.mode=disabled", "logging.progress=false",
@@ -122,6 +127,11 @@ def llama_reference(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory) -> str:
+    return fault_free_digest(tmp_path_factory, "moe_ref", MOE_DRILL, procs=1)
+
+
+@pytest.fixture(scope="module")
 def points_reference(tmp_path_factory) -> str:
     return fault_free_digest(tmp_path_factory, "points_ref", POINTS, procs=1)
 
@@ -195,6 +205,20 @@ def test_llama_recovers_bit_identical(tmp_path, llama_reference, fail):
     lost = {r for r, node in enumerate(rec["rank_nodes"]) if node == "node1"}
     assert rec["rank_tiers"] == [["tier2"] if r in lost and fail == "node" else ["tier1"] for r in range(4)]
     assert report["final_digest"] == llama_reference
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fail", ["software", "node"])
+def test_an_ep2_moe_job_recovers_bit_identical(tmp_path, moe_reference, fail):
+    """model=tiny_moe at ep=2 x dp=2, one rank a node (each holds two of the four experts): a software and a node
+    failure restore the expert shards from the tiers their class requires, replay base 10's expert diffs, and end
+    bit-identical to the fault-free run."""
+    report = drill(tmp_path, "--procs-per-node", "1", "--fail", fail, "--at-step", "19", overrides=MOE_DRILL)
+    assert report["ok"], report["stdout"]
+    (rec,) = report["recoveries"]
+    assert rec["failure_class"] == fail and rec["bytes_tier3"] == 0 and rec["version"] == 10, rec
+    assert rec["rank_tiers"] == [["tier1"], ["tier2"] if fail == "node" else ["tier1"]], rec
+    assert report["final_digest"] == moe_reference
 
 
 @pytest.mark.timeout(600)
