@@ -81,7 +81,7 @@ class ModelConfig:
     attention_dropout: float = 0.0
     norm_eps: float = 1e-5  # the LayerNorms' (gpt2) or RMSNorms' (llama) epsilon
     init_std: float = 0.02
-    # A Hugging Face GPT-2, Llama or Mixtral directory (by model.arch; config.json + model.safetensors) of this
+    # A Hugging Face GPT-2, Llama, Mixtral, Qwen2 or Qwen2-MoE directory (config.json + model.safetensors) of this
     # shape to start from (fine-tuning): the weights replace the initialisation before the optimizer copies them;
     # Adam moments start at zero. Or a whole job to continue, as torchtitan:<dir>, torch_dist:<dir> or
     # megatron_legacy:<dir> (megatier.training.job_import: weights, moments, step, schedule, data position).

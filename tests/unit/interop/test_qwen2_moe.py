@@ -1,0 +1,112 @@
+"""Qwen2-MoE and dense Qwen2 interop: a MegaTier model loaded from transformers' Qwen2MoeForCausalLM (q/k/v
+biases, a gated shared expert, softmax-then-top-k routing, a dense layer among the MoE ones) computes its logits;
+an export writes back its tensors bitwise; what MegaTier cannot represent is refused by key."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from megatier.config import ModelConfig
+from megatier.config.schema import MoEConfig
+from megatier.interop.hf_files import HFFormatError, read_tensors
+from megatier.interop.huggingface import export_hf, hf_kind, load_hf
+from megatier.model.gpt import GPTStage, load_full_state
+from megatier.model.params import StageSpec
+from tests.hf_qwen2_moe import save_random_qwen2, save_random_qwen2_moe
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB = 259
+QWEN = ModelConfig(name="qwen_t", arch="llama", num_layers=3, hidden_size=64, num_heads=4, num_query_groups=2,
+                   ffn_hidden_size=96, max_position_embeddings=64, rope_theta=5000.0, norm_eps=1e-6, qkv_bias=True,
+                   moe=MoEConfig(num_experts=6, top_k=3, moe_ffn_hidden_size=32, router_norm="softmax_topk",
+                                 shared_expert_hidden_size=80, aux_loss_coeff=0.01, layer_freq=2))
+DENSE = ModelConfig(**{**QWEN.__dict__, "name": "qwen2_t", "moe": MoEConfig()})
+
+
+def _logits(cfg: ModelConfig, state: dict, tokens: torch.Tensor, process_group) -> torch.Tensor:
+    model = GPTStage(cfg, VOCAB, StageSpec(range(cfg.num_layers), True, True), tp_group=process_group.tp_group,
+                     dropout_generator=torch.Generator())
+    load_full_state(model, state)
+    with torch.no_grad():
+        return model.eval()(tokens)[..., :VOCAB]
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (3, 40), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("cfg,save", [(QWEN, save_random_qwen2_moe), (DENSE, save_random_qwen2)],
+                         ids=["qwen2_moe", "qwen2"])
+def test_logits_equal_transformers_and_the_export_is_its_tensors_bitwise(process_group, tmp_path, cfg, save):
+    theirs = save(str(tmp_path / "hf"), cfg, VOCAB)
+    state = load_hf(str(tmp_path / "hf"), cfg, VOCAB)
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = theirs(tokens).logits
+    diff = (_logits(cfg, state, tokens, process_group) - expected).abs().max()
+    print(f"{hf_kind(cfg)}: max logit difference {diff:.2e}")
+    assert diff <= 1e-4, diff
+    export_hf(state, cfg, str(tmp_path / "out"))
+    original, exported = read_tensors(str(tmp_path / "hf")), read_tensors(str(tmp_path / "out"))
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(again) is type(theirs)
+    with torch.no_grad():
+        assert torch.equal(again(tokens).logits, expected)
+
+
+def test_qwen2_moe_config_names_the_routing_and_the_mlp_only_layers(tmp_path):
+    export_hf(load_hf(str(_saved(tmp_path)), QWEN, VOCAB), QWEN, str(tmp_path / "out"))
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and config["qkv_bias"] is True
+    assert config["mlp_only_layers"] == [1] and config["decoder_sparse_step"] == 1
+    assert config["norm_topk_prob"] is False and config["use_sliding_window"] is False
+
+
+def _saved(tmp_path):
+    path = tmp_path / "hf"
+    if not path.exists():
+        save_random_qwen2_moe(str(path), QWEN, VOCAB)
+    return path
+
+
+@pytest.mark.parametrize("override,named", [
+    ({"use_sliding_window": True}, "use_sliding_window=True"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
+    ({"decoder_sparse_step": 2, "mlp_only_layers": []}, "decoder_sparse_step=2"),
+    ({"mlp_only_layers": [1, 2]}, "model.moe.layer_freq=3"),
+    ({"norm_topk_prob": True}, "model.moe.router_renormalize=true"),
+    ({"num_experts": 8}, "model.moe.num_experts=8"),
+    ({"qkv_bias": False}, "model.qkv_bias=false"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+])
+def test_what_megatier_cannot_represent_is_refused_naming_the_key(tmp_path, override, named):
+    config_path = _saved(tmp_path) / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **override}))
+    with pytest.raises(HFFormatError, match=named.replace("[", r"\[")) as err:
+        load_hf(str(tmp_path / "hf"), QWEN, VOCAB)
+    assert "\n" not in str(err.value)
+
+
+def test_a_model_without_q_k_v_biases_is_not_loaded_into_qkv_bias(tmp_path):
+    from tests.hf_mixtral import save_random_mixtral
+
+    mixtral = ModelConfig(**{**QWEN.__dict__, "qkv_bias": False,
+                             "moe": MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=32)})
+    save_random_mixtral(str(tmp_path / "hf"), mixtral, VOCAB)
+    assert hf_kind(mixtral) == "mixtral" and hf_kind(QWEN) == "qwen2_moe" and hf_kind(DENSE) == "qwen2"
+    with pytest.raises(HFFormatError, match="model.qkv_bias=false"):
+        load_hf(str(tmp_path / "hf"), ModelConfig(**{**mixtral.__dict__, "qkv_bias": True}), VOCAB)
+
+
+def test_qwen2_moe_refuses_a_model_without_a_shared_expert_naming_the_key():
+    from megatier.interop.qwen2_moe import check_representable
+
+    no_shared = ModelConfig(**{**QWEN.__dict__, "moe": MoEConfig(num_experts=6, top_k=3, router_norm="softmax_topk")})
+    with pytest.raises(HFFormatError, match="model.moe.shared_expert_hidden_size=0"):
+        check_representable(no_shared)
