@@ -23,6 +23,7 @@ ARCHS = ("gpt2", "llama")
 RECOMPUTE = ("none", "selective", "full")
 COMPILE_BACKENDS = ("inductor", "aot_eager")  # model.compile_backend
 ROUTER_NORMS = ("topk_softmax", "softmax_topk")
+ROUTER_LOSS_SCOPES = ("model", "layer")
 
 
 @dataclass
@@ -46,6 +47,11 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     # The router z-loss (ST-MoE: the mean squared logsumexp of the router logits) times this (0: not computed).
     z_loss_coeff: float = 0.0
+    # Over which tokens the two router losses are taken: "model" (transformers' Mixtral and Qwen-MoE: the MoE
+    # layers' tokens together, one loss each) or "layer" (Megatron-core's aux_loss: each MoE layer's own
+    # load-balancing loss, with Megatron's 1/top_k, and its own z-loss, summed over the layers). Pipeline
+    # stages (parallel.pp > 1) need "layer": each stage adds its own layers' losses to its backward.
+    router_loss_scope: str = "model"
     # A shared expert every token goes through, weighed by a sigmoid gate (Qwen2-MoE); its SwiGLU hidden size,
     # 0: none.
     shared_expert_hidden_size: int = 0

@@ -19,6 +19,7 @@ from megatier.config.schema import (
     COMPILE_BACKENDS,
     LR_DECAY_STYLES,
     RECOMPUTE,
+    ROUTER_LOSS_SCOPES,
     ROUTER_NORMS,
     WSD_DECAY_STYLES,
     Config,
@@ -102,10 +103,17 @@ def _validate_moe(m: ModelConfig, tp: int, pp: int) -> None:
                                                                    e.shared_expert_hidden_size)):
         _require(size % tp == 0, f"parallel.tp={tp} does not divide model.moe.{key}={size} (each expert is cut "
                                  f"across tp like the dense MLP); change it or parallel.tp")
+    _require(e.router_loss_scope in ROUTER_LOSS_SCOPES, f"model.moe.router_loss_scope={e.router_loss_scope!r} "
+                                                        f"must be one of {', '.join(ROUTER_LOSS_SCOPES)}")
+    _require(pp == 1 or e.router_loss_scope == "layer",
+             f"model.moe.router_loss_scope={e.router_loss_scope!r} takes the router losses over every MoE layer "
+             f"together, which pipeline stages (parallel.pp={pp}) hold apart; set model.moe.router_loss_scope=layer "
+             f"(Megatron-core's per-layer losses) or parallel.pp=1")
     router_losses = e.aux_loss_coeff > 0 or e.z_loss_coeff > 0
-    _require(pp == 1 or not router_losses, f"model.moe.aux_loss_coeff / z_loss_coeff ride on the last stage's "
-                                           f"loss, which pipeline stages (parallel.pp={pp}) do not carry yet; set "
-                                           f"parallel.pp=1 or both coefficients to 0")
+    _require(pp == 1 or not router_losses or m.pipeline_order != "checkfree_plus",
+             "model.moe's router losses are added where a stage's layers run, which model.pipeline_order="
+             "checkfree_plus swaps; set model.pipeline_order=standard or model.moe.aux_loss_coeff and "
+             "z_loss_coeff to 0")
 
 
 def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:

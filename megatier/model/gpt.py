@@ -202,7 +202,7 @@ class GPTStage(nn.Module):
                 self.head_weight = mark_partition(nn.Parameter(torch.empty(rows, cfg.hidden_size)), 0)
         for kind in spec.replicas:  # CheckFree+'s copies of an end stage's parameters, not used in forward
             self.add_module(f"{kind}_replica", self._replica(kind))
-        self.router_metrics = RouterMetrics()
+        self.router_metrics = RouterMetrics(cfg.moe.num_experts)
         self._record_full_shapes()
 
     def _replica(self, kind: str) -> nn.Module:
@@ -262,10 +262,21 @@ class GPTStage(nn.Module):
         aux, z = router_losses(layers, self.cfg, self.tp_group, self.sequence_parallel, self.router_metrics)
         return self.cfg.moe.aux_loss_coeff * aux + self.cfg.moe.z_loss_coeff * z
 
-    def step_metrics(self) -> dict[str, float]:
-        """The step record's router figures since the last call (megatier.model.moe.RouterMetrics; a last stage
-        with MoE layers), else {}."""
-        return self.router_metrics.take()
+    def side_loss(self) -> torch.Tensor | None:
+        """A non-last stage's own part of the objective, from its last training forward: its MoE layers' router
+        losses times their coefficients (router_loss_scope=layer), which its backward adds to what the next
+        stage sends back; None for a last stage, a stage without MoE layers, or evaluation."""
+        if self.spec.is_last or not self.training or not moe_layers(self.layers):
+            return None
+        return self.router_loss()
+
+    def step_metrics(self, pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """The step record's router figures since the last call (megatier.model.moe.RouterMetrics), else {}; a
+        stage of a pipelined MoE model pools them with the other stages over ``pp_group`` (collective)."""
+        if not self.cfg.moe.num_experts:
+            return {}
+        alone = self.spec.is_first and self.spec.is_last
+        return self.router_metrics.take(None if alone else pp_group)
 
     # The three parts of a stage, for schedules that route a micro-batch through them separately (CheckFree+'s
     # swapped order, megatier.parallel.route_schedule).

@@ -27,9 +27,15 @@ first); each tp rank computes its slice of every expert's hidden units, and the 
 summed over tp once (all-reduce, or reduce-scatter back to token slices). The routing weights enter that region
 like an input (their gradient is summed over tp on the way back).
 
-Router losses, over the MoE layers of a forward together (as transformers' ``load_balancing_loss_func``):
-aux = E * sum_e f_e * P_e, f_e the top-k slots expert e got per token and P_e its mean probability; z-loss =
-mean over tokens of logsumexp(logits)^2 (ST-MoE). :func:`router_losses` adds them with their coefficients.
+Router losses (:func:`router_losses`), ``model.moe.router_loss_scope``:
+
+- "model", over the MoE layers of a forward together (transformers' ``load_balancing_loss_func``): aux =
+  E * sum_e f_e * P_e, f_e the top-k slots expert e got per token and P_e its mean probability; z-loss = mean
+  over tokens of logsumexp(logits)^2 (ST-MoE).
+- "layer", each MoE layer on its own tokens, summed over the layers (Megatron-core's ``aux_loss``): aux_l =
+  E / k * sum_e f_e * P_e (Megatron's 1/top_k makes a perfectly balanced router's loss 1 per layer), z_l as
+  above. The losses of a stage's layers need nothing from the other stages, so pipeline stages each add their
+  own to their backward (megatier.parallel.schedules).
 """
 from __future__ import annotations
 
@@ -185,27 +191,35 @@ def _over_tp(x: torch.Tensor, group: dist.ProcessGroup, sequence_parallel: bool)
 
 def router_losses(layers: list[MoELayer], cfg: ModelConfig, group: dist.ProcessGroup, sequence_parallel: bool,
                   metrics: RouterMetrics | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(aux, z) of the last forward of ``layers`` (see the module docstring), each a scalar, the same on every tp
-    rank; added to ``metrics`` if given."""
+    """(aux, z) of the last forward of ``layers`` (model.moe.router_loss_scope; the module docstring), each a
+    scalar, the same on every tp rank; added to ``metrics`` if given."""
     stats = [layer.route_stats for layer in layers]
-    tp = dist.get_world_size(group) if sequence_parallel else 1
-    rows = stats[0].tokens * tp * len(stats)
+    tokens = stats[0].tokens * (dist.get_world_size(group) if sequence_parallel else 1)
     slots = _over_tp(torch.stack([st.slots_per_expert for st in stats]), group, sequence_parallel)  # (layers, E)
-    prob_sum = _over_tp(torch.stack([st.prob_sum for st in stats]).sum(0), group, sequence_parallel)
-    z_sum = _over_tp(torch.stack([st.z_sum for st in stats]).sum(), group, sequence_parallel)
-    aux = cfg.moe.num_experts * torch.sum((slots.sum(0) / rows) * (prob_sum / rows))
+    if cfg.moe.router_loss_scope == "layer":
+        prob_sum = _over_tp(torch.stack([st.prob_sum for st in stats]), group, sequence_parallel)  # (layers, E)
+        z_sum = _over_tp(torch.stack([st.z_sum for st in stats]), group, sequence_parallel)  # (layers,)
+        balance = (slots * prob_sum).sum(dim=1) / (cfg.moe.top_k * tokens * tokens)
+        aux, z = cfg.moe.num_experts * balance.sum(), (z_sum / tokens).sum()
+    else:
+        rows = tokens * len(stats)
+        prob_sum = _over_tp(torch.stack([st.prob_sum for st in stats]).sum(0), group, sequence_parallel)
+        z = _over_tp(torch.stack([st.z_sum for st in stats]).sum(), group, sequence_parallel) / rows
+        aux = cfg.moe.num_experts * torch.sum((slots.sum(0) / rows) * (prob_sum / rows))
     if metrics is not None:
-        metrics.add(aux, z_sum / rows, slots)
-    return aux, z_sum / rows
+        metrics.add(aux, z, slots)
+    return aux, z
 
 
 class RouterMetrics:
     """A step's router figures for its metrics record, gathered over its training forwards (a stage's MoE
     layers, every micro-batch): the mean aux and z-loss per forward, the top-k slots each expert got per MoE
     layer and micro-batch (min and max over the experts; all tokens of a tp group under sequence parallelism),
-    and the tokens dropped (0: routing is dropless)."""
+    and the tokens dropped (0: routing is dropless). Under pipeline parallelism each stage holds its own
+    layers' share: :meth:`take` sums the stages' losses (router_loss_scope=layer) and pools their slots."""
 
-    def __init__(self):
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
         self._losses: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []
 
@@ -214,15 +228,23 @@ class RouterMetrics:
         self._losses.append(torch.stack([aux.detach(), z.detach()]).float())
         self._slots.append(slots_per_expert.detach())
 
-    def take(self) -> dict[str, float]:
-        """The figures since the last take (none: {}), then start over."""
-        if not self._losses:
-            return {}
-        aux, z = torch.stack(self._losses).mean(0).tolist()
-        slots = torch.cat(self._slots).mean(0)
+    def take(self, pp_group: dist.ProcessGroup | None = None) -> dict[str, float]:
+        """The figures since the last take (none: {}), then start over; with ``pp_group`` (collective over the
+        pipeline stages, each calling it once a step) those of every stage."""
+        pooled = torch.zeros(3 + self.num_experts, dtype=torch.float64)  # aux, z, slot rows, slots per expert
+        if self._losses:
+            slots = torch.cat(self._slots).double()
+            pooled[:2] = torch.stack(self._losses).double().mean(0)
+            pooled[2], pooled[3:] = slots.shape[0], slots.sum(0)
         self._losses, self._slots = [], []
-        return {"moe_aux_loss": aux, "moe_z_loss": z, "moe_tokens_per_expert_min": slots.min().item(),
-                "moe_tokens_per_expert_max": slots.max().item(), "moe_dropped_tokens": 0}
+        if pp_group is not None:
+            dist.all_reduce(pooled, group=pp_group)
+        if pooled[2] == 0:
+            return {}
+        per_expert = pooled[3:] / pooled[2]
+        return {"moe_aux_loss": pooled[0].item(), "moe_z_loss": pooled[1].item(),
+                "moe_tokens_per_expert_min": per_expert.min().item(),
+                "moe_tokens_per_expert_max": per_expert.max().item(), "moe_dropped_tokens": 0}
 
 
 def moe_layers(layers: nn.ModuleDict) -> list[MoELayer]:

@@ -2,8 +2,9 @@
 
 A schedule runs every micro-batch through this rank's model stage, accumulates
 gradients (into the GradBuffer through parameter hooks) and returns the mean
-loss over micro-batches as an fp32 scalar: meaningful on the last stage, 0 on
-other stages.
+loss over micro-batches as an fp32 scalar: the last stage's, and on other
+stages their own part of the objective (a stage's ``side_loss``: its MoE
+layers' router losses; 0 for most), so the stages' sum is the step's loss.
 
 Loss contract: each micro-batch contributes ``mean per-token loss / n`` (n =
 micro-batches of this rank), so the accumulated gradient is that of the mean
@@ -50,29 +51,34 @@ def activation_shape(tokens: torch.Tensor, hidden_size: int, seq_shards: int = 1
 
 
 def _forward_step(model: nn.Module, comm: PipelineComm, x: Optional[torch.Tensor], tokens: torch.Tensor,
-                  labels: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run one micro-batch through the stage; returns (stage input, output).
+                  labels: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Run one micro-batch through the stage; returns (stage input, output, side loss).
 
     The input is the token ids on the first stage, else the received activation
     (made a leaf that collects its gradient). The output is the scaled-down
-    scalar loss on the last stage, else the hidden states (b, s, h).
+    scalar loss on the last stage, else the hidden states (b, s, h); a non-last
+    stage's own scaled-down loss rides beside them (None without one).
     """
     if comm.is_first:
         x = tokens
     elif torch.is_grad_enabled():
         x.requires_grad_(True)
     if comm.is_last:
-        return x, model(x, labels).float().mean() / n
-    return x, model(x)
+        return x, model(x, labels).float().mean() / n, None
+    y = model(x)
+    side = model.side_loss()
+    return x, y, None if side is None else side.float() / n
 
 
-def _backward_step(comm: PipelineComm, x: torch.Tensor, y: torch.Tensor, grad_y: Optional[torch.Tensor],
-                   loss_scale: float) -> Optional[torch.Tensor]:
+def _backward_step(comm: PipelineComm, x: torch.Tensor, y: torch.Tensor, side: Optional[torch.Tensor],
+                   grad_y: Optional[torch.Tensor], loss_scale: float) -> Optional[torch.Tensor]:
     """Backpropagate one micro-batch; returns the gradient of the stage input (None on the first stage)."""
     if comm.is_last:
         (y * loss_scale).backward()
-    else:
+    elif side is None:
         torch.autograd.backward(y, grad_tensors=grad_y)
+    else:
+        torch.autograd.backward([y, side * loss_scale], grad_tensors=[grad_y, None])
     return None if comm.is_first else x.grad
 
 
@@ -84,15 +90,15 @@ def forward_backward_1f1b(model: nn.Module, microbatches: Microbatches, *, comm:
     shapes = [activation_shape(tokens, hidden_size, seq_shards) for tokens, _ in microbatches]
     warmup = min(comm.num_stages - comm.stage - 1, n)
     total = torch.zeros((), dtype=torch.float32)
-    # Micro-batches forwarded but not yet backpropagated, oldest first: (input, output).
-    in_flight: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Micro-batches forwarded but not yet backpropagated, oldest first: (input, output, side loss).
+    in_flight: list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]] = []
 
     def forward(i: int, x: Optional[torch.Tensor]) -> torch.Tensor:
         nonlocal total
-        x, y = _forward_step(model, comm, x, *microbatches[i], n)
-        if comm.is_last:
-            total += y.detach().cpu()
-        in_flight.append((x, y))
+        x, y, side = _forward_step(model, comm, x, *microbatches[i], n)
+        if comm.is_last or side is not None:
+            total += (y if side is None else side).detach().cpu()
+        in_flight.append((x, y, side))
         return y
 
     for i in range(warmup):
@@ -121,7 +127,7 @@ def forward_pipeline(model: nn.Module, microbatches: Microbatches, *, comm: Pipe
     total = torch.zeros((), dtype=torch.float32)
     for tokens, labels in microbatches:
         x = comm.recv_forward(activation_shape(tokens, hidden_size, seq_shards))
-        _, y = _forward_step(model, comm, x, tokens, labels, n)
+        _, y, _ = _forward_step(model, comm, x, tokens, labels, n)
         if comm.is_last:
             total += y.float().cpu()
         else:

@@ -237,7 +237,7 @@ class Trainer(InPlaceRecovery):
     def _global_loss(self, local: torch.Tensor) -> tuple[float, Optional[str]]:
         """Mean loss over the global batch, known on every rank (computed on the last stage), and why the ranks
         stop after this step, if they do (the stop flags ride along in the same all-reduce: interrupt.py)."""
-        counts = self.ps.is_last_stage and self.ps.tp_rank == 0
+        counts = self.ps.tp_rank == 0  # a non-last stage's part: its MoE layers' router losses (0 without)
         contrib = local.double().reshape(1) / self.ps.dp if counts else torch.zeros(1, dtype=torch.float64)
         flags = torch.tensor(self.stop.flags(self.step + 1, self.ps.rank == 0), dtype=torch.float64)
         both = torch.cat([contrib.to(self.device), flags.to(self.device)])
@@ -277,7 +277,7 @@ class Trainer(InPlaceRecovery):
         elapsed = time.perf_counter() - start
         tokens = self.batches.ramp.batch(step) * self.cfg.data.seq_len
         record = {"step": step, "loss": loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                  "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed, **self.model.step_metrics(),
+                  "iter_time_s": elapsed, "tokens_per_s": tokens / elapsed, **self.model.step_metrics(self.ps.pp_group),
                   "consumed_samples": self.batches.consumed_before(step + 1), "skipped": stats.skipped,
                   "data_wait_ms": self.batches.take_wait_ms(), **self.optimizer.take_wait_ms(), **bubble_ms(self.comm)}
         if stop:

@@ -34,13 +34,20 @@ def test_tiny_moe_has_canonical_expert_names_and_layer_freq(compose_config):
     (("model.moe.moe_ffn_hidden_size=63", "parallel.tp=2"), "model.moe.moe_ffn_hidden_size=63"),
     (("model.moe.layer_freq=0",), "model.moe.layer_freq=0"),
     (("model.arch=gpt2", "model.num_query_groups=null"), "model.arch=llama"),
-    (("parallel.pp=2",), "parallel.pp=1"),
+    (("parallel.pp=2",), "model.moe.router_loss_scope=layer"),
+    (("model.moe.router_loss_scope=sum",), "model.moe.router_loss_scope='sum'"),
 ])
 def test_moe_errors_name_the_field_and_the_fix(compose_config, overrides, named):
     cfg = compose_config("model=tiny_moe", *overrides)
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")) as err:
         validate(cfg, world_size=cfg.parallel.tp * cfg.parallel.pp)
     assert "\n" not in str(err.value)
+
+
+def test_pipeline_stages_take_the_router_losses_per_layer(compose_config):
+    cfg = compose_config("model=tiny_moe", "parallel.pp=2", "model.moe.router_loss_scope=layer",
+                         "model.moe.z_loss_coeff=0.001")
+    validate(cfg, world_size=2)
 
 
 def test_dense_fingerprint_has_no_moe_keys_and_an_moe_one_has_them(compose_config):

@@ -199,3 +199,27 @@ def test_shared_expert_and_softmax_topk_equal_hugging_face_qwen2_moe(process_gro
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
     with torch.no_grad():
         assert (ours.eval()(tokens)[..., :VOCAB] - theirs.eval()(tokens).logits).abs().max() <= 1e-4
+
+
+def test_per_layer_router_losses_equal_megatron_cores(process_group):
+    """router_loss_scope=layer: each MoE layer's switch load-balancing loss (with Megatron's 1/top_k) and z-loss,
+    summed over the layers, as megatron-core's switch_load_balancing_loss_func and z_loss_func compute them."""
+    moe_utils = pytest.importorskip("megatron.core.transformer.moe.moe_utils")
+    cfg = ModelConfig(**{**CFG.__dict__, "moe": MoEConfig(num_experts=4, top_k=2, moe_ffn_hidden_size=48,
+                                                          router_loss_scope="layer")})
+    model = _stage(process_group, cfg).train()
+    init_weights(model, seed=5)
+    inputs = []
+    for layer in moe_layers(model.layers):
+        layer.router.register_forward_hook(lambda mod, args, out: inputs.append((mod, args[0].detach())))
+    model(_tokens(), _tokens(seed=2))
+    aux, z = router_losses(moe_layers(model.layers), cfg, process_group.tp_group, False)
+    want_aux = want_z = 0.0
+    for router, tokens in inputs:
+        logits = F.linear(tokens, router.weight.detach())
+        probs = torch.softmax(logits, dim=-1)
+        per_expert = torch.bincount(torch.topk(probs, 2, dim=-1).indices.flatten(), minlength=4).float()
+        want_aux += moe_utils.switch_load_balancing_loss_func(probs, per_expert, tokens.shape[0], 2, 4, 1.0).item()
+        want_z += moe_utils.z_loss_func(logits, 1.0).item()
+    assert len(inputs) == 2 and abs(want_aux - 2.0) < 0.5  # about 1 per layer for a near-balanced router
+    assert aux.item() == pytest.approx(want_aux, rel=1e-6) and z.item() == pytest.approx(want_z, rel=1e-6)
