@@ -110,3 +110,40 @@ def test_qwen2_moe_refuses_a_model_without_a_shared_expert_naming_the_key():
     no_shared = ModelConfig(**{**QWEN.__dict__, "moe": MoEConfig(num_experts=6, top_k=3, router_norm="softmax_topk")})
     with pytest.raises(HFFormatError, match="model.moe.shared_expert_hidden_size=0"):
         check_representable(no_shared)
+
+
+def test_the_qwen_moe_preset_is_qwen1_5_moe_a2_7b_tensor_by_tensor(compose_config):
+    """Qwen2MoeConfig's defaults are Qwen1.5-MoE-A2.7B's; built on the meta device, its checkpoint tensors are
+    the preset's canonical ones through the name map, shape by shape."""
+    from megatier.config import validate
+    from megatier.interop.qwen2_moe import qwen2_name_map
+    from megatier.model.params import canonical_shapes
+
+    cfg = compose_config("model=qwen_moe_a2_7b")
+    validate(cfg)
+    m = cfg.model
+    with torch.device("meta"):
+        theirs = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig())
+    hf_shapes = {name: tuple(p.shape) for name, p in theirs.state_dict().items()}
+    hf_shapes.update(_per_expert_shapes(hf_shapes, m.moe.num_experts))
+    pairs = qwen2_name_map(m)
+    assert {name for _, names in pairs for name in names} == hf_shapes.keys()
+    ours = canonical_shapes(m, m.vocab_size)
+    assert ours.keys() == {name for name, _ in pairs}
+    for name, names in pairs:
+        shapes = [hf_shapes[n] for n in names]
+        assert ours[name] == (sum(s[0] for s in shapes), *shapes[0][1:]), name
+
+
+def _per_expert_shapes(hf_shapes: dict, num_experts: int) -> dict:
+    """transformers' fused experts (gate_up_proj (E, 2f, h), down_proj (E, h, f)) as the checkpoint's per-expert
+    tensors; the fused names taken out of ``hf_shapes``."""
+    out = {}
+    for fused in [n for n in hf_shapes if n.endswith("mlp.experts.gate_up_proj") or n.endswith("experts.down_proj")]:
+        shape, prefix = hf_shapes.pop(fused), fused.rsplit(".", 1)[0]
+        for e in range(num_experts):
+            if fused.endswith("gate_up_proj"):
+                out[f"{prefix}.{e}.gate_proj.weight"] = out[f"{prefix}.{e}.up_proj.weight"] = (shape[1] // 2, shape[2])
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = shape[1:]
+    return out
