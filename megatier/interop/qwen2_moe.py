@@ -70,12 +70,14 @@ def check_representable(m: ModelConfig) -> str:
     refuses one that neither computes, naming the key and the fix."""
     if m.moe.num_experts == 0:
         if not m.qkv_bias:
-            raise HFFormatError("Qwen2ForCausalLM cannot represent model.qkv_bias=False (its q, k and v projections "
+            raise HFFormatError("Qwen2ForCausalLM cannot represent model.qkv_bias=false (its q, k and v projections "
                                 "have biases); export it as a Llama")
         return "qwen2"
     if m.moe.shared_expert_hidden_size == 0:
         raise HFFormatError("Qwen2MoeForCausalLM cannot represent model.moe.shared_expert_hidden_size=0 (every MoE "
-                            "layer has a gated shared expert); set it, or export without one as a Mixtral")
+                            "layer has a gated shared expert); give the model one, or make it a model "
+                            "MixtralForCausalLM computes (model.moe.layer_freq=1, the top-k weights renormalized, "
+                            "model.qkv_bias=false)")
     return "qwen2_moe"
 
 
@@ -113,25 +115,25 @@ def _layer_freq_for(moe_layers: list[int], num_layers: int) -> Optional[int]:
 
 def _differences(config: dict, m: ModelConfig, path: str) -> list[tuple[str, object, str, object]]:
     """(Qwen key, its value, MegaTier key, the value that loads it) for every Qwen2-MoE setting that differs."""
-    want_bias = config.get("qkv_bias", True)
-    pairs = [("qkv_bias", want_bias, "model.qkv_bias", want_bias, m.qkv_bias)]
+    bias = config.get("qkv_bias", True)  # Qwen2's are always there
+    rows = [("qkv_bias", bias, "model.qkv_bias", bias, m.qkv_bias)]
     if config["model_type"] == "qwen2_moe":
+        experts, top_k = config.get("num_experts"), config.get("num_experts_per_tok")
+        size, shared = config.get("moe_intermediate_size"), config.get("shared_expert_intermediate_size")
         norm = bool(config.get("norm_topk_prob", False))
-        pairs += [("num_experts", config.get("num_experts"), "model.moe.num_experts", None, m.moe.num_experts),
-                  ("num_experts_per_tok", config.get("num_experts_per_tok"), "model.moe.top_k", None, m.moe.top_k),
-                  ("moe_intermediate_size", config.get("moe_intermediate_size"), "model.moe.moe_ffn_hidden_size",
-                   None, expert_ffn_size(m)),
-                  ("shared_expert_intermediate_size", config.get("shared_expert_intermediate_size"),
-                   "model.moe.shared_expert_hidden_size", None, m.moe.shared_expert_hidden_size),
-                  ("norm_topk_prob", norm, "model.moe.router_norm=softmax_topk model.moe.router_renormalize", norm,
-                   _renormalizes(m))]
+        rows += [("num_experts", experts, "model.moe.num_experts", experts, m.moe.num_experts),
+                 ("num_experts_per_tok", top_k, "model.moe.top_k", top_k, m.moe.top_k),
+                 ("moe_intermediate_size", size, "model.moe.moe_ffn_hidden_size", size, expert_ffn_size(m)),
+                 ("shared_expert_intermediate_size", shared, "model.moe.shared_expert_hidden_size", shared,
+                  m.moe.shared_expert_hidden_size),
+                 ("norm_topk_prob", norm, "model.moe.router_norm=softmax_topk model.moe.router_renormalize", norm,
+                  _renormalizes(m))]
         layers = hf_moe_layers(config, path)
         freq = _layer_freq_for(layers, config.get("num_hidden_layers", 0))
         if freq is not None:
-            pairs.append(("MoE layers (decoder_sparse_step, mlp_only_layers)", layers, "model.moe.layer_freq", freq,
-                          m.moe.layer_freq))
-    return [(hf, theirs, ours, theirs if fix is None else fix) for hf, theirs, ours, fix, mine in pairs
-            if (theirs if fix is None else fix) != mine]
+            rows.append(("MoE layers (decoder_sparse_step, mlp_only_layers)", layers, "model.moe.layer_freq", freq,
+                         m.moe.layer_freq))
+    return [(hf, theirs, ours, fix) for hf, theirs, ours, fix, mine in rows if fix != mine]
 
 
 def check_qwen2_config(config: dict, m: ModelConfig, vocab_size: int, path: str) -> None:
