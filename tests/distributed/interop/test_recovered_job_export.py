@@ -1,15 +1,17 @@
-"""A job that lost a node and recovered from Tier-2 exports, at its last step, exactly what the same job without
-a failure exports: to torchtitan's DCP (a Llama job) and Megatron-core's torch_dist (a GPT-2 job), bit for bit,
+"""A job that lost a node and recovered from Tier-2 exports, at step 12, exactly what the same job without a
+failure exports: to torchtitan's DCP (a Llama job) and Megatron-core's torch_dist (a GPT-2 job), bit for bit,
 and the reference code loads the export (torchtitan's CheckpointManager; megatron-core's dist_checkpointing.load
-into a GPTModel built on CPU). The GPT-2 job's state also goes out in Megatron-LM's legacy torch format at tp=2
-and reads back as the torch_dist export does.
+into a GPTModel built on CPU). torchtitan's Llama then takes step 13 on the samples MegaTier's recovered job took
+at 13, with its loss. The GPT-2 job's state also goes out in Megatron-LM's legacy torch format at tp=2 and reads
+back as the torch_dist export does.
 
-The drill (megatier-drill --fail node --compare) kills node1 after step 9 of 12; its rank comes back from the
+The drill (megatier-drill --fail node --compare) kills node1 after step 9 of 13; its rank comes back from the
 replica node0 holds (Tier-2). The drilled job keeps its node memory under the test's directory, so its export
 reads whatever tier holds step 12; the fault-free reference's node memory is freed by the drill, so its export
 reads Tier-3 alone."""
 from __future__ import annotations
 
+import json
 import os
 from functools import partial
 
@@ -22,16 +24,18 @@ from megatier.interop.megatron_dist import load_megatron_dist
 from megatier.interop.megatron_legacy import load_megatron_legacy
 from megatier.interop.torchtitan_dcp import read_dcp
 from tests.distributed.cli.test_drill import drill
+from tests.distributed.interop.titan_continue import load_in_torchtitan, step_batches, step_in_torchtitan
 from tests.distributed.world import run_world
 
-STEPS, FAIL_AT = 12, 9
-JOB = ["train.iters=12", "checkpoint.base_interval=10", "checkpoint.diff.compression=fp32",
+STEPS, EXPORTED, FAIL_AT = 13, 12, 9
+JOB = [f"train.iters={STEPS}", "checkpoint.base_interval=10", "checkpoint.diff.compression=fp32",
        "logging.wandb.mode=disabled", "data.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=2",
        "parallel.timeout_s=20"]
 
 
 def _export(fmt: str, job_id: str, out: str, remote: str, local: str, *extra: str) -> str:
-    args = ["export", "--format", fmt, "--job-id", job_id, "--remote-url", remote, "--local-root", local]
+    args = ["export", "--format", fmt, "--job-id", job_id, "--step", str(EXPORTED), "--remote-url", remote,
+            "--local-root", local]
     assert convert.main([*args, *extra, out]) == 0
     (step,) = [d for d in os.listdir(out) if d.startswith(("step-", "iter_"))]
     return os.path.join(out, step)
@@ -65,19 +69,30 @@ def _mcore_load(rank: int, where: str, m) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def _loads_in_torchtitan(where: str, overrides: list[str], flat: dict, tmp_path) -> None:
-    from tests.torchtitan_llama import build_job, import_torchtitan
+def _loss_at(run_dir: str, step: int) -> float:
+    """The loss the job's last launch logged at ``step``."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    (loss,) = [r["loss"] for r in records if r.get("step") == step and "event" not in r]
+    return loss
+
+
+def _continues_in_torchtitan(where: str, overrides: list[str], flat: dict, prefix: str, run_dir: str,
+                             tmp_path) -> None:
+    """torchtitan loads the export (every tensor, Adam's step and moments) and takes MegaTier's next step."""
+    from tests.torchtitan_llama import import_torchtitan
     import_torchtitan()
     cfg = compose_config(overrides)
-    job = build_job(cfg.model, 257, cfg.optim, str(tmp_path / "titan-run"), seed=5)
-    job.checkpointer.folder, job.checkpointer.exclude_from_loading = os.path.dirname(where), ["dataloader"]
-    assert job.checkpointer.load(step=STEPS) and job.train_state.step == STEPS
+    job = load_in_torchtitan(os.path.dirname(where), EXPORTED, cfg.model, cfg.optim, 257, tmp_path)
     unfused = [(n, p) for n, p in job.model.named_parameters() if ".wqkv." not in n]  # the fused is kept in rows
     assert len(unfused) == 15  # every tensor but the 2 fused qkv
     for name, param in unfused:
         assert torch.equal(param.detach(), flat[name]), name
     state = job.optimizers.optimizers[0].state[job.model.norm.weight]
-    assert int(state["step"]) == STEPS and torch.equal(state["exp_avg"], flat["optimizer.state.norm.weight.exp_avg"])
+    assert int(state["step"]) == EXPORTED
+    assert torch.equal(state["exp_avg"], flat["optimizer.state.norm.weight.exp_avg"])
+    loss = step_in_torchtitan(job, step_batches(prefix, cfg, EXPORTED + 1))
+    assert loss == pytest.approx(_loss_at(run_dir, EXPORTED + 1), rel=0, abs=1e-5)
 
 
 def _loads_in_megatron(where: str, overrides: list[str], flat: dict, tmp_path) -> None:
@@ -90,13 +105,13 @@ def _loads_in_megatron(where: str, overrides: list[str], flat: dict, tmp_path) -
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model,fmt", [("llama_tiny", "torchtitan"), ("tiny", "torch_dist")])
-def test_a_job_recovered_from_tier2_exports_what_its_fault_free_run_does(tmp_path, model, fmt):
+def test_a_job_recovered_from_tier2_exports_what_its_fault_free_run_does(corpus_prefix, tmp_path, model, fmt):
     if fmt == "torchtitan":
         pytest.importorskip("torchtitan")
     else:
         pytest.importorskip("megatron.core")
     local = str(tmp_path / "shm")
-    overrides = [f"model={model}", *JOB]
+    overrides = [f"model={model}", f"data.prefix={corpus_prefix}", *JOB]
     report = drill(tmp_path, "--nodes", "2", "--procs-per-node", "1", "--fail", "node", "--at-step", str(FAIL_AT),
                    "--compare", overrides=[*overrides, f"checkpoint.local.root={local}"])
     assert report["ok"], report["stdout"]
@@ -108,15 +123,15 @@ def test_a_job_recovered_from_tier2_exports_what_its_fault_free_run_does(tmp_pat
     ours = _export(fmt, "drill", str(tmp_path / "drilled"), str(work / "drill" / "remote"), local)
     theirs = _export(fmt, "reference", str(tmp_path / "fault-free"), str(work / "reference" / "remote"), local,
                      "--tier", "tier3")
-    assert os.path.basename(ours) == os.path.basename(theirs) == (f"step-{STEPS}" if fmt == "torchtitan"
-                                                                  else f"iter_{STEPS:07d}")
+    assert os.path.basename(ours) == os.path.basename(theirs) == (f"step-{EXPORTED}" if fmt == "torchtitan"
+                                                                  else f"iter_{EXPORTED:07d}")
     flat = read_dcp(ours)
     _same(flat, read_dcp(theirs))
     if fmt == "torchtitan":
-        _loads_in_torchtitan(ours, overrides, flat, tmp_path)
+        _continues_in_torchtitan(ours, overrides, flat, corpus_prefix, report["run_dir"], tmp_path)
     else:
         common = [torch.load(os.path.join(w, "common.pt"), weights_only=False) for w in (ours, theirs)]
-        assert common[0] == common[1] and common[0]["iteration"] == STEPS
+        assert common[0] == common[1] and common[0]["iteration"] == EXPORTED
         _loads_in_megatron(ours, overrides, flat, tmp_path)
         # The same state in Megatron-LM's torch format at tp=2 (distrib_optim.pt): the same job read back.
         legacy = _export("megatron_legacy", "drill", str(tmp_path / "legacy"), str(work / "drill" / "remote"), local,
@@ -124,6 +139,6 @@ def test_a_job_recovered_from_tier2_exports_what_its_fault_free_run_does(tmp_pat
         assert sorted(os.listdir(legacy)) == ["mp_rank_00", "mp_rank_01"]
         m = compose_config(overrides).model
         a, b = load_megatron_dist(ours, m, 257), load_megatron_legacy(legacy, m, 257)
-        assert (b.iteration, b.adam_steps, b.consumed_samples) == (STEPS, STEPS, STEPS * 4)
+        assert (b.iteration, b.adam_steps, b.consumed_samples) == (EXPORTED, EXPORTED, EXPORTED * 4)
         for name, kinds in a.canonical.items():
             assert all(torch.equal(v, b.canonical[name][k]) for k, v in kinds.items()), name

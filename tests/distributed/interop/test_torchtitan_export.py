@@ -6,14 +6,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from megatier.cli import convert
 from megatier.config import ModelConfig, OptimConfig
 from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
+from tests.distributed.interop.titan_continue import load_in_torchtitan, step_in_torchtitan
 from tests.distributed.world import run_world
-from tests.torchtitan_llama import build_job, import_torchtitan, train_step
+from tests.torchtitan_llama import import_torchtitan
 
 import_torchtitan()
 
@@ -43,12 +43,7 @@ def test_a_megatier_job_continues_in_torchtitan_with_the_same_loss(corpus_prefix
     assert os.listdir(tmp_path / "titan") == ["step-3"]
     ours = run_world(_run, 1, tmp_path, str(tmp_path), corpus_prefix, 4, timeout_s=120)[0]  # restores at 3
 
-    m, o = ModelConfig(**FIELDS), OptimConfig(**OPTIM)
-    job = build_job(m, VOCAB, o, str(tmp_path / "titan-run"), seed=3)
-    job.checkpointer.folder, job.checkpointer.exclude_from_loading = str(tmp_path / "titan"), ["dataloader"]
-    assert job.checkpointer.load(step=3)
-    assert job.train_state.step == 3 and job.train_state.ntokens_seen == 3 * 4 * 32
-    tokens = torch.cat([x for x, _ in ours["batches"]])
-    labels = torch.cat([y for _, y in ours["batches"]])
-    loss = train_step(job, tokens, labels)
-    assert loss == pytest.approx(ours["loss"], rel=0, abs=1e-5)
+    job = load_in_torchtitan(str(tmp_path / "titan"), 3, ModelConfig(**FIELDS), OptimConfig(**OPTIM), VOCAB, tmp_path,
+                             seed=3)
+    assert job.train_state.ntokens_seen == 3 * 4 * 32
+    assert step_in_torchtitan(job, ours["batches"]) == pytest.approx(ours["loss"], rel=0, abs=1e-5)
