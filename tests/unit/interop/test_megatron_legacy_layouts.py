@@ -1,6 +1,6 @@
 """MegaTier -> Megatron-LM legacy -> MegaTier at every layout the export writes (tp x pp, one bucket or many):
 the job comes back bitwise, in Megatron's rank directories, and a weights-only copy of it (no distrib_optim.pt)
-still reads at pp=2 (the last stage's tied output_layer copy is dropped, not refused as an untied head)."""
+still reads at pp > 1 (the last stage's tied output_layer copy is dropped), unless the arguments untie it."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatier.config import ModelConfig, OptimConfig
-from megatier.interop.job_state import JobState
+from megatier.interop.job_state import JobFormatError, JobState
 from megatier.interop.megatron_legacy import export_megatron_legacy, load_megatron_legacy
 from megatier.model.params import canonical_shapes
 
@@ -44,3 +44,11 @@ def test_every_layout_round_trips_bitwise(tmp_path, tp, pp, bucket):
     weights = load_megatron_legacy(str(tmp_path), MODEL, VOCAB)
     assert any("moments start at zero" in line for line in weights.notes)
     assert all(torch.equal(kinds["master"], weights.canonical[n]["master"]) for n, kinds in job.canonical.items())
+    if pp > 1:  # the same output_layer under arguments that untie it is a head MegaTier's GPT-2 does not have
+        for name in names:
+            path = os.path.join(where, name, "model_optim_rng.pt")
+            ckpt = torch.load(path, weights_only=False)
+            ckpt["args"].untie_embeddings_and_output_weights = True
+            torch.save(ckpt, path)
+        with pytest.raises(JobFormatError, match="output_layer.weight is an untied head"):
+            load_megatron_legacy(str(tmp_path), MODEL, VOCAB)
