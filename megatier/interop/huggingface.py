@@ -28,6 +28,7 @@ _EXPORT = {"gpt2": export_gpt2, "llama": export_llama, "mixtral": export_mixtral
 _LOAD = {"gpt2": load_gpt2, "llama": load_llama, "mixtral": load_mixtral, "qwen2": load_qwen2,
          "qwen2_moe": load_qwen2}
 _LLAMA_FAMILY = ("llama", "mixtral", "qwen2", "qwen2_moe")
+_MOE_KINDS = ("mixtral", "qwen2_moe")
 _WITHOUT_QKV_BIAS = ("llama", "mixtral")
 
 
@@ -64,8 +65,9 @@ def export_hf(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir: s
 def load_hf(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     kind = hf_kind(model_cfg)
     if model_cfg.arch == "llama":
-        found = _directory_kind(path)
-        kind = found if found in _LLAMA_FAMILY else kind
+        found = _directory_kind(path)  # one of the readers for the model's kind (dense or MoE)
+        if found in _LLAMA_FAMILY and (found in _MOE_KINDS) == bool(model_cfg.moe.num_experts):
+            kind = found
         if model_cfg.qkv_bias and kind in _WITHOUT_QKV_BIAS:
             raise HFFormatError(f"{path} holds a {kind} (no q/k/v biases) but model.qkv_bias=true; set "
                                 f"model.qkv_bias=false to load it")

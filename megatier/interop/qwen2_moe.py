@@ -173,7 +173,8 @@ def export_qwen2(state: dict[str, torch.Tensor], model_cfg: ModelConfig, out_dir
 def load_qwen2(path: str, model_cfg: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
     """The canonical state (fp32) of the Qwen2-MoE (or dense Qwen2) directory ``path`` for a model of
     ``model_cfg`` and vocabulary ``vocab_size``; HFFormatError with one line otherwise."""
-    kind = check_representable(model_cfg)
+    kind = "qwen2_moe" if model_cfg.moe.num_experts else "qwen2"
     path = os.path.expanduser(path)
     check_qwen2_config(read_config(path, kind, SAVED_BY[kind]), model_cfg, vocab_size, path)
+    check_representable(model_cfg)  # after the directory's settings, which name the keys to set
     return canonical_from(path, qwen2_name_map(model_cfg), canonical_shapes(model_cfg, vocab_size))

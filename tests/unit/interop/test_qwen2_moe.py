@@ -104,6 +104,18 @@ def test_a_model_without_q_k_v_biases_is_not_loaded_into_qkv_bias(tmp_path):
         load_hf(str(tmp_path / "hf"), ModelConfig(**{**mixtral.__dict__, "qkv_bias": True}), VOCAB)
 
 
+def test_a_directory_of_the_other_kind_is_refused_in_one_line(tmp_path):
+    from tests.hf_llama import save_random_llama
+
+    save_random_llama(str(tmp_path / "llama"), DENSE, VOCAB)
+    with pytest.raises(HFFormatError, match="model_type='llama', not 'qwen2_moe'") as err:
+        load_hf(str(tmp_path / "llama"), QWEN, VOCAB)  # a MoE model does not read a dense directory
+    assert "\n" not in str(err.value)
+    save_random_qwen2(str(tmp_path / "qwen2"), DENSE, VOCAB)
+    with pytest.raises(HFFormatError, match="qkv_bias=True; set model.qkv_bias=true"):
+        load_hf(str(tmp_path / "qwen2"), ModelConfig(**{**DENSE.__dict__, "qkv_bias": False}), VOCAB)
+
+
 def test_qwen2_moe_refuses_a_model_without_a_shared_expert_naming_the_key():
     from megatier.interop.qwen2_moe import check_representable
 
