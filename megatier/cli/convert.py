@@ -27,7 +27,8 @@ config file is needed. The last line is the state's canonical digest, the
 (``out_dir/step-N``; :mod:`megatier.interop.torchtitan_dcp`), for a ``model.arch=llama`` job;
 ``--format torch_dist`` as Megatron-LM saves a GPT-2-, Llama- or Mixtral-shaped one (``out_dir/iter_NNNNNNN``
 and its tracker file; :mod:`megatier.interop.megatron_dist`); ``--format megatron_legacy`` as its torch format does
-(``out_dir/iter_NNNNNNN/mp_rank_TT/{model_optim_rng.pt,distrib_optim.pt}`` at ``--tp`` ranks;
+(``out_dir/iter_NNNNNNN/mp_rank_TT[_PPP]/{model_optim_rng.pt,distrib_optim.pt}`` at ``--tp`` x ``--pp`` ranks,
+``--bucket-size`` as Megatron's ``--ddp-bucket-size``;
 :mod:`megatier.interop.megatron_legacy`).
 
 Importing needs no command: ``model.init_from=<dir>`` starts training from
@@ -208,7 +209,7 @@ def _export_job(args: argparse.Namespace, rebuilt: Rebuilt, step: int, m: ModelC
         export_torchtitan(job, m, o, args.out_dir, lr)
     elif args.format == "megatron_legacy":
         job.consumed_samples = step * batch if batch else None
-        export_megatron_legacy(job, m, o, args.out_dir, lr, tp=args.tp)
+        export_megatron_legacy(job, m, o, args.out_dir, lr, tp=args.tp, pp=args.pp, bucket_size=args.bucket_size)
     else:
         export_megatron_dist(job, m, o, args.out_dir, lr, batch)
 
@@ -246,6 +247,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "megatron_legacy: the same in Megatron-LM's torch format (mp_rank_TT, distrib_optim.pt)")
     e.add_argument("--tp", type=int, default=1,
                    help="megatron_legacy: tensor-parallel ranks to write (mp_rank_00, ...; it must divide the heads)")
+    e.add_argument("--pp", type=int, default=1,
+                   help="megatron_legacy: pipeline stages to write (mp_rank_TT_PPP; it must divide the layers)")
+    e.add_argument("--bucket-size", type=int, default=None,
+                   help="megatron_legacy: Megatron's --ddp-bucket-size in elements: distrib_optim.pt in buckets as "
+                        "--overlap-grad-reduce saves it (default: one bucket)")
     e.add_argument("--data-prefix", default=None,
                    help="the run's data.prefix: adds its tokenizer (BPE files, eos id); checked against the job's")
     e.add_argument("--run-dir", default=None,

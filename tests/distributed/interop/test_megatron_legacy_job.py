@@ -1,6 +1,7 @@
 """A GPT-2 job moved through Megatron-LM's legacy torch format into another layout: trained by MegaTier at tp=1,
-exported at step 3 from its tiers at tp=2 (megatier-convert export --format megatron_legacy --tp 2: mp_rank_00,
-mp_rank_01 with distrib_optim.pt), continued by a new job at tp=1 dp=2 (model.init_from=megatron_legacy:<save
+exported at step 3 from its tiers at tp=2 x pp=2 with the first stage's optimizer state in several buckets
+(megatier-convert export --format megatron_legacy --tp 2 --pp 2 --bucket-size N: mp_rank_00_000 ... mp_rank_01_001
+with distrib_optim.pt), continued by a new job at tp=1 dp=2 (model.init_from=megatron_legacy:<save
 dir>), whose step 4 takes the first job's samples and loss and ends at the first job's step-4 state (weights,
 Adam's moments and count, within fp32 reduction order: dp=2 sums the gradient in another order)."""
 from __future__ import annotations
@@ -41,8 +42,10 @@ def _rows(batches: list) -> list[tuple]:
 @pytest.mark.timeout(240)
 def test_a_job_continues_through_megatron_legacy_at_another_layout(corpus_prefix, tmp_path):
     first = run_world(_run, 1, tmp_path, str(tmp_path), corpus_prefix, "mlsrc", None, timeout_s=120)[0]
-    save = _export(tmp_path, "mlsrc", 3, str(tmp_path / "legacy"), "--tp", "2")
-    assert sorted(os.listdir(save)) == ["mp_rank_00", "mp_rank_01"]
+    save = _export(tmp_path, "mlsrc", 3, str(tmp_path / "legacy"), "--tp", "2", "--pp", "2", "--bucket-size", "3000")
+    assert sorted(os.listdir(save)) == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    args = torch.load(os.path.join(save, "mp_rank_00_000", "model_optim_rng.pt"), weights_only=False)["args"]
+    assert (args.pipeline_model_parallel_size, args.ddp_bucket_size, args.overlap_grad_reduce) == (2, 3000, True)
     init_from = f"megatron_legacy:{os.path.dirname(save)}"
     moved = run_world(_run, 2, tmp_path, str(tmp_path), corpus_prefix, "mldst", init_from, timeout_s=120)
     assert _rows(first["batch"]) == _rows([b for r in moved for b in r["batch"]])  # step 4's samples, split by dp
