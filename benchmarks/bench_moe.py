@@ -7,11 +7,13 @@
 One process, the byte corpus, ``train.global_batch_size=8`` of ``train.micro_batch_size=4`` unless the overrides
 say otherwise. Each model trains ``--steps`` steps with checkpointing off, and with the diff stream on
 (``checkpoint=tiered`` on node memory only, lossless ``fp32`` and the ``adaptive`` codec); the models and
-settings alternate within each of ``--repeats`` rounds, so the box's load falls on both alike. A run's figures:
-the median over the steps after ``--warmup`` of the step time (``iter_time_s``) and of the step's diff record
-(``diff_bytes``: the bytes the loop hands the save thread). The table gives the median over repeats with
-min..max, and each model's parameters, total and active per token (the routed experts' share scaled by
-top_k / num_experts).
+settings alternate within each of ``--repeats`` rounds, so the box's load falls on both alike, after a discarded
+run of 2 steps (a process's first steps pay one-off costs). A run's figures:
+the median over the steps after ``--warmup`` of the step time (``iter_time_s``), of the CPU time the process used
+in the step (every thread's, the save thread's included; other tenants of a shared box move it far less than
+wall time) and of the step's diff record (``diff_bytes``: the bytes the loop hands the save thread). The table
+gives the median over repeats with min..max, and each model's parameters, total and active per token (the routed
+experts' share scaled by top_k / num_experts).
 
 The default pair has the same shape: tiny_moe is llama_tiny with each dense SwiGLU (ffn 128) replaced by 4
 experts of ffn 64, each token to its top 2, so a token's active expert width (2 x 64) equals the dense width.
@@ -22,6 +24,7 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 import uuid
 from typing import Optional
 
@@ -56,7 +59,8 @@ def one_run(model: str, setting: str, overrides: list[str], steps: int, warmup: 
     records, step = [], trainer.train_step
 
     def keep(s: int) -> dict:
-        records.append(step(s))
+        cpu = time.process_time()
+        records.append({**step(s), "cpu_s": time.process_time() - cpu})
         return records[-1]
     trainer.train_step = keep
     trainer.train()
@@ -64,6 +68,7 @@ def one_run(model: str, setting: str, overrides: list[str], steps: int, warmup: 
     window = [r for r in records if r["step"] > warmup]
     total, active = parameters(trainer)
     return {"step_ms": 1000.0 * statistics.median(r["iter_time_s"] for r in window),
+            "cpu_ms": 1000.0 * statistics.median(r["cpu_s"] for r in window),
             "diff_bytes": statistics.median(r.get("diff_bytes", 0) for r in window),
             "params": total, "active": active}
 
@@ -74,12 +79,13 @@ def spread(values: list[float], fmt: str = "{:.1f}") -> str:
 
 
 def table(runs: dict[tuple[str, str], list[dict]]) -> str:
-    lines = ["| model | params (active) | diff stream | step ms | diff bytes / step |",
-             "| --- | --- | --- | --- | --- |"]
+    lines = ["| model | params (active) | diff stream | step ms | CPU ms / step | diff bytes / step |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for (model, setting), rs in runs.items():
         size = f"{rs[0]['params']:,} ({rs[0]['active']:,})"
         diff = "-" if setting == "off" else spread([r["diff_bytes"] for r in rs], "{:,.0f}")
-        lines.append(f"| {model} | {size} | {setting} | {spread([r['step_ms'] for r in rs])} | {diff} |")
+        times = " | ".join(spread([r[k] for r in rs]) for k in ("step_ms", "cpu_ms"))
+        lines.append(f"| {model} | {size} | {setting} | {times} | {diff} |")
     return "\n".join(lines)
 
 
@@ -95,6 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--warmup {args.warmup} must lie in [0, --steps {args.steps})")
     runs: dict[tuple[str, str], list[dict]] = {(m, s): [] for m in args.models for s in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
+        one_run(args.models[0], "off", args.overrides, 2, 0, tmp)  # discarded: the process's first steps are slow
         for repeat in range(args.repeats):
             for setting in SETTINGS:
                 for model in args.models:
