@@ -152,8 +152,8 @@ def _validate_model(m: ModelConfig, tp: int, pp: int) -> None:
         config_json = os.path.join(os.path.expanduser(m.init_from), "config.json")
         _require(os.path.isfile(config_json),
                  f"model.init_from={m.init_from!r}: {config_json} does not exist; give a Hugging Face GPT-2 or "
-                 f"Llama (or Mixtral) directory (save_pretrained or megatier-convert export), a job as "
-                 f"torchtitan:<dir>, torch_dist:<dir> or megatron_legacy:<dir>, or unset model.init_from")
+                 f"Llama (or Mixtral, Qwen2, Qwen2-MoE) directory (save_pretrained or megatier-convert export), a "
+                 f"job as torchtitan:<dir>, torch_dist:<dir> or megatron_legacy:<dir>, or unset model.init_from")
 
 
 def _validate_train(t: TrainConfig, dp: Optional[int]) -> None:

@@ -55,6 +55,15 @@ def check_model(fmt: str, m: ModelConfig, arch: str) -> None:
     if m.arch != arch:
         raise JobFormatError(f"{fmt} checkpoints hold a {arch} model but model.arch={m.arch}; {fmt} moves "
                              f"model.arch={arch} jobs only")
+    check_no_qkv_bias(fmt, m)
+
+
+def check_no_qkv_bias(fmt: str, m: ModelConfig) -> None:
+    """Refuse q/k/v biases (Qwen2's), which no job format's mapping carries: they would be dropped."""
+    if m.qkv_bias:
+        raise JobFormatError(f"model.qkv_bias=true: MegaTier's {fmt} mapping has no q/k/v bias keys, so the "
+                             f"biases would be lost; move this model's weights as Hugging Face Qwen2 "
+                             f"(megatier-convert export --format hf)")
 
 
 def check_shapes(state: dict[str, dict[str, torch.Tensor]], m: ModelConfig, vocab: int, where: str) -> None:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from megatier.config import ModelConfig
-from megatier.interop.job_state import KINDS, JobFormatError, JobState, as_fp32
+from megatier.interop.job_state import KINDS, JobFormatError, JobState, as_fp32, check_no_qkv_bias
 
 _OPTIM = {"master": "fp32_param", "exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
 _ATTN = {"ln1.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -46,6 +46,7 @@ _GLOBAL = {"word.weight": "embedding.word_embeddings.weight", "final_norm.weight
 
 def check_llama(m: ModelConfig) -> None:
     """Refuse a MegaTier model whose torch_dist form this module does not write, naming the key."""
+    check_no_qkv_bias("torch_dist", m)
     e = m.moe
     if e.num_experts and e.layer_freq != 1:
         raise JobFormatError(f"model.moe.layer_freq={e.layer_freq}: Megatron stacks every layer under one key, so "

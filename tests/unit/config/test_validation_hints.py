@@ -32,9 +32,10 @@ def test_a_missing_init_from_names_both_architectures(tmp_path):
     proc = _train(f"model.init_from={tmp_path}/none")
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (f"config error: model.init_from='{tmp_path}/none': {tmp_path}/none/config.json "
-                                   f"does not exist; give a Hugging Face GPT-2 or Llama (or Mixtral) directory "
-                                   f"(save_pretrained or megatier-convert export), a job as torchtitan:<dir>, "
-                                   f"torch_dist:<dir> or megatron_legacy:<dir>, or unset model.init_from")
+                                   f"does not exist; give a Hugging Face GPT-2 or Llama (or Mixtral, Qwen2, "
+                                   f"Qwen2-MoE) directory (save_pretrained or megatier-convert export), a job as "
+                                   f"torchtitan:<dir>, torch_dist:<dir> or megatron_legacy:<dir>, or unset "
+                                   f"model.init_from")
 
 
 def test_sequence_parallel_at_tp_1_says_it_does_nothing(tmp_path, corpus_prefix):
