@@ -50,6 +50,7 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
     fp["optim.decay_iters"] = json.dumps(cfg.optim.decay_iters or cfg.train.iters)
     t, d = cfg.train, cfg.data
     for key, value in (("parallel.tp", cfg.parallel.tp), ("parallel.pp", cfg.parallel.pp),
+                       ("parallel.virtual_stages", cfg.parallel.virtual_stages),
                        ("data.seq_len", d.seq_len), ("data.val_fraction", d.val_fraction), ("data.seed", d.seed),
                        ("data.checksum", data_checksum), ("train.global_batch_size", t.global_batch_size),
                        ("train.micro_batch_size", t.micro_batch_size), ("train.seed", t.seed),
@@ -73,7 +74,7 @@ def state_fingerprint(cfg: Config, data_checksum: str) -> dict[str, str]:
 # before a key existed has the same fingerprint as one that leaves it there, so an upgrade refuses no relaunch.
 ADDED_LATER = {"optim.warmup_fraction": None, "optim.warmup_init_lr": 0.0, "optim.decay_style": "cosine",
                "optim.wsd_decay_iters": None, "optim.wsd_decay_style": "exponential",
-               "train.rampup_batch_size": None, "model.qkv_bias": False,
+               "train.rampup_batch_size": None, "model.qkv_bias": False, "parallel.virtual_stages": 1,
                **{f"model.moe.{key}": value for key, value in dataclasses.asdict(MoEConfig()).items()}}
 
 

@@ -157,6 +157,12 @@ class ParallelConfig:
     # divide the data-parallel degree and model.moe.num_experts. Expert optimizer state is sharded over the
     # dp / ep ranks that hold the same experts. 1: every rank holds every expert.
     ep: int = 1
+    # Interleaved 1F1B (Megatron's virtual pipeline stages): each pipeline rank holds this many model chunks
+    # (chunk c of rank p is layers block c * pp + p), so the bubble shrinks from (pp - 1) / n to
+    # (pp - 1) / (v * n) of the step for n micro-batches, at v times the point-to-point messages. Turn it on when
+    # the bubble is large (few micro-batches per rank against pp) and messages are cheap. Needs pp >= 2,
+    # model.num_layers a multiple of pp * v and micro-batches a multiple of pp. 1: plain 1F1B.
+    virtual_stages: int = 1
     # Start each bucket's data-parallel gradient reduction from the gradient hooks of the step's last
     # micro-batch, while backward goes on (megatier.optim.overlap). The shards each rank owns do not change.
     overlap_grad_reduce: bool = False

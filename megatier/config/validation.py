@@ -351,6 +351,37 @@ def _validate_pipeline_order(m: ModelConfig, t: TrainConfig, pp: int, dp: Option
                                    f"train.rampup_batch_size) or lower train.micro_batch_size")
 
 
+def check_interleaving(*, pp: int, virtual_stages: int, num_microbatches: int, num_layers: int) -> None:
+    """The conditions interleaving needs, each failure one line naming the field and the fix."""
+    if virtual_stages < 1:
+        raise ConfigError(f"parallel.virtual_stages={virtual_stages}: set it to 1 (off) or more")
+    if virtual_stages == 1:
+        return
+    if pp < 2:
+        raise ConfigError(f"parallel.virtual_stages={virtual_stages} needs parallel.pp >= 2: "
+                          "set parallel.virtual_stages=1 or raise parallel.pp")
+    if num_microbatches % pp:
+        raise ConfigError(f"micro-batches per step ({num_microbatches}) must be a multiple of parallel.pp={pp} "
+                          "with parallel.virtual_stages > 1: change train.global_batch_size")
+    if num_layers % (pp * virtual_stages):
+        raise ConfigError(f"model.num_layers={num_layers} must be a multiple of parallel.pp x "
+                          f"parallel.virtual_stages={pp * virtual_stages}: change either")
+
+
+def _validate_interleaving(cfg: Config, dp: Optional[int]) -> None:
+    """parallel.virtual_stages (megatier.parallel.interleaved): its layout conditions, on the first and the full
+    batch size once the world size gives the micro-batch count; CheckFree+ does not know model chunks."""
+    p, t = cfg.parallel, cfg.train
+    batches = {t.global_batch_size, (t.rampup_batch_size or [t.global_batch_size])[0]} if dp else {0}
+    for batch in sorted(batches):
+        n = batch // (t.micro_batch_size * dp) if dp else p.pp  # unknown before the world size: assume it fits
+        check_interleaving(pp=p.pp, virtual_stages=p.virtual_stages, num_microbatches=n,
+                           num_layers=cfg.model.num_layers)
+    _require(p.virtual_stages == 1 or cfg.model.pipeline_order == "standard",
+             "parallel.virtual_stages > 1 runs model chunks that CheckFree+'s routes and stage rebuild do not "
+             "know; set model.pipeline_order=standard or parallel.virtual_stages=1")
+
+
 def _validate_overlap(p: ParallelConfig, m: ModelConfig) -> None:
     """parallel.overlap_grad_reduce, overlap_param_gather and bucket_mb (megatier.optim.overlap)."""
     _require(p.bucket_mb >= 0, f"parallel.bucket_mb={p.bucket_mb} must be >= 0 (MiB of fp32 gradient per bucket; "
@@ -378,6 +409,7 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         dp = p.dp(world_size)
     _validate_expert_parallel(p.ep, cfg.model.moe.num_experts, dp)
     _validate_overlap(p, cfg.model)
+    _validate_interleaving(cfg, dp)
     _validate_model(cfg.model, p.tp, p.pp)
     _validate_train(cfg.train, dp)
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)

@@ -203,6 +203,8 @@ class GPTStage(nn.Module):
         for kind in spec.replicas:  # CheckFree+'s copies of an end stage's parameters, not used in forward
             self.add_module(f"{kind}_replica", self._replica(kind))
         self.router_metrics = RouterMetrics(cfg.moe.num_experts)
+        # The layers of the last forward (all, or one model chunk's) and whether it ended in the head.
+        self._ran: tuple[dict[str, nn.Module], bool] = (self.layers, spec.is_last)
         self._record_full_shapes()
 
     def _replica(self, kind: str) -> nn.Module:
@@ -244,6 +246,7 @@ class GPTStage(nn.Module):
         when labels are given (in training plus model.moe's router losses), else vocab-parallel logits
         (b, s, padded / tp) with -inf in the padded columns.
         """
+        self._ran = (self.layers, self.spec.is_last)
         if self.spec.is_first:
             x = self.embed(x)
         x = self.run_layers(x)
@@ -256,7 +259,7 @@ class GPTStage(nn.Module):
         """model.moe's load-balancing and z-losses of this forward's MoE layers, times their coefficients (0 for
         a dense stage); a scalar the per-token loss takes on, so the objective is their sum as in transformers'
         Mixtral."""
-        layers = moe_layers(self.layers)
+        layers = moe_layers(self._ran[0])
         if not layers:
             return 0.0
         aux, z = router_losses(layers, self.cfg, self.tp_group, self.sequence_parallel, self.router_metrics)
@@ -266,7 +269,7 @@ class GPTStage(nn.Module):
         """A non-last stage's own part of the objective, from its last training forward: its MoE layers' router
         losses times their coefficients (router_loss_scope=layer), which its backward adds to what the next
         stage sends back; None for a last stage, a stage without MoE layers, or evaluation."""
-        if self.spec.is_last or not self.training or not moe_layers(self.layers):
+        if self._ran[1] or not self.training or not moe_layers(self._ran[0]):
             return None
         return self.router_loss()
 
@@ -291,9 +294,23 @@ class GPTStage(nn.Module):
             x = scatter_to_sequence(x, self.tp_group)
         return self.embed_dropout(x)
 
-    def run_layers(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's transformer layers: (b, s, h) -> (b, s, h) (this rank's tokens under sequence
-        parallelism); with ``model.recompute=full`` each layer keeps only its input for the backward."""
+    def run_chunk(self, chunk: int, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Model chunk ``chunk`` of this stage (interleaved schedule, megatier.parallel.interleaved_schedule): as
+        :meth:`forward`, embedding only in the first stage's first chunk and ending in the head only in the last
+        stage's last chunk; a chunk's router losses are read by :meth:`side_loss` right after it."""
+        chunks = self.spec.model_chunks()
+        first, last = self.spec.is_first and chunk == 0, self.spec.is_last and chunk == len(chunks) - 1
+        self._ran = ({str(i): self.layers[str(i)] for i in chunks[chunk]}, last)
+        x = self.run_layers(self.embed(x) if first else x, list(self._ran[0].values()))
+        if not last:
+            return x
+        out = self.head(x, labels)
+        return out if labels is None or not self.training else out + self.router_loss()
+
+    def run_layers(self, x: torch.Tensor, layers: list[nn.Module] | None = None) -> torch.Tensor:
+        """This stage's transformer layers (or ``layers`` of them): (b, s, h) -> (b, s, h) (this rank's tokens
+        under sequence parallelism); with ``model.recompute=full`` each layer keeps only its input for the
+        backward."""
         rope = ()
         if self.cfg.arch == "llama":
             seq = x.shape[1] * (self.spec.tp if self.sequence_parallel else 1)
@@ -301,7 +318,7 @@ class GPTStage(nn.Module):
                                  x.dtype)
         full = self.cfg.recompute == "full" and self.training
         with te_layers.fp8_autocast(self.fp8_recipe):
-            for layer in self.layers.values():
+            for layer in self.layers.values() if layers is None else layers:
                 if full:
                     x = recomputed(layer, x, *rope, generators=[self.embed_dropout.generator])
                 else:

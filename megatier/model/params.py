@@ -17,11 +17,13 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Sequence
 
 from megatier.config import ModelConfig
 from megatier.config.schema import expert_ffn_size, ffn_size, is_moe_layer
 from megatier.optim.flat import ParamSpec
 from megatier.parallel.checkfree_plus import REPLICA_SOURCES, replica_parameters, replicas_of
+from megatier.parallel.interleaved import chunk_layers
 
 # Parameters with one row per vocabulary id; padded to padded_vocab_size rows in a GPTStage.
 VOCAB_PARAMS = ("word.weight", "head_weight", "word_replica.weight", "head_replica.weight")
@@ -54,17 +56,27 @@ def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
     return range(start, start + base + (1 if pp_rank < extra else 0))
 
 
-def stage_spec(cfg: ModelConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int) -> "StageSpec":
-    """What pipeline stage ``pp_rank`` of ``pp`` holds on tp rank ``tp_rank`` (layers, ends, replicas)."""
-    return StageSpec(stage_layers(cfg.num_layers, pp, pp_rank), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
-                     replicas_of(cfg.pipeline_order, pp, pp_rank, cfg.arch))
+def stage_spec(cfg: ModelConfig, *, tp: int, pp: int, tp_rank: int, pp_rank: int,
+               virtual_stages: int = 1) -> "StageSpec":
+    """What pipeline stage ``pp_rank`` of ``pp`` holds on tp rank ``tp_rank`` (layers, ends, replicas); with
+    ``virtual_stages`` v > 1 its v model chunks (megatier.parallel.interleaved: chunk c is block c * pp + pp_rank
+    of num_layers / (pp * v) layers)."""
+    replicas = replicas_of(cfg.pipeline_order, pp, pp_rank, cfg.arch)
+    if virtual_stages == 1:
+        return StageSpec(stage_layers(cfg.num_layers, pp, pp_rank), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
+                         replicas)
+    chunks = tuple(chunk_layers(num_layers=cfg.num_layers, pp=pp, virtual_stages=virtual_stages, rank=pp_rank))
+    return StageSpec(tuple(i for chunk in chunks for i in chunk), pp_rank == 0, pp_rank == pp - 1, tp_rank, tp,
+                     replicas, chunks)
 
 
 @dataclass(frozen=True)
 class StageSpec:
-    """Which part of the model this rank holds."""
+    """Which part of the model this rank holds: ``layers`` by global index, in the order they run; under the
+    interleaved schedule ``chunks``, the layers of each model chunk (the first chunk of the first stage embeds,
+    the last chunk of the last stage holds the head)."""
 
-    layers: range
+    layers: Sequence[int]
     is_first: bool
     is_last: bool
     tp_rank: int = 0
@@ -72,6 +84,11 @@ class StageSpec:
     # Copies of a neighbouring stage's parameters this stage keeps (CheckFree+: "pos", "word", "final_norm",
     # "head"; megatier.parallel.checkfree_plus.replicas_of). They are trained as copies: same gradient, same update.
     replicas: tuple[str, ...] = ()
+    chunks: tuple[range, ...] = ()  # () : one chunk, ``layers``
+
+    def model_chunks(self) -> tuple[Sequence[int], ...]:
+        """The layers of each model chunk this rank runs, in chunk order."""
+        return self.chunks or (self.layers,)
 
 
 def canonical_shapes(cfg: ModelConfig, vocab_size: int) -> dict[str, tuple[int, ...]]:

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from megatier.config.schema import ConfigError
+from megatier.config.validation import check_interleaving
+
+__all__ = ["Op", "check_interleaving", "chunk_layers", "interleaved_order", "warmup_count"]
 
 
 class Op(NamedTuple):
@@ -27,23 +29,6 @@ class Op(NamedTuple):
     kind: str
     chunk: int
     microbatch: int
-
-
-def check_interleaving(*, pp: int, virtual_stages: int, num_microbatches: int, num_layers: int) -> None:
-    """The conditions interleaving needs, each failure one line naming the field and the fix."""
-    if virtual_stages < 1:
-        raise ConfigError(f"parallel.virtual_stages={virtual_stages}: set it to 1 (off) or more")
-    if virtual_stages == 1:
-        return
-    if pp < 2:
-        raise ConfigError(f"parallel.virtual_stages={virtual_stages} needs parallel.pp >= 2: "
-                          "set parallel.virtual_stages=1 or raise parallel.pp")
-    if num_microbatches % pp:
-        raise ConfigError(f"micro-batches per step ({num_microbatches}) must be a multiple of parallel.pp={pp} "
-                          "with parallel.virtual_stages > 1: change train.global_batch_size")
-    if num_layers % (pp * virtual_stages):
-        raise ConfigError(f"model.num_layers={num_layers} must be a multiple of parallel.pp x "
-                          f"parallel.virtual_stages={pp * virtual_stages}: change either")
 
 
 def chunk_layers(*, num_layers: int, pp: int, virtual_stages: int, rank: int) -> list[range]:

@@ -91,6 +91,25 @@ class PipelineComm:
         self.wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, group=self.group, group_peer=stage)]))
         return out
 
+    # Around the ring, for the interleaved schedule (megatier.parallel.interleaved_schedule): activations go to
+    # the next stage (the last stage's to the first, for the next model chunk), gradients to the previous. Each
+    # message has its own tag, so messages are matched by what they carry, never by the order they were posted.
+
+    def ring_isend(self, x: torch.Tensor, *, forward: bool, tag: int) -> tuple[list[dist.Work], torch.Tensor]:
+        """Post ``x`` to the next stage on the ring (``forward``) or the previous one, without waiting; returns
+        the works and the tensor on the wire, which the caller keeps alive until it has waited on them."""
+        wire, peer = self._wire(x), (self.stage + (1 if forward else -1)) % self.num_stages
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend, wire, group=self.group, group_peer=peer,
+                                                  tag=tag)]), wire
+
+    def ring_recv(self, shape: tuple[int, ...], *, forward: bool, tag: int) -> torch.Tensor:
+        """The tensor tagged ``tag`` from the previous stage on the ring (``forward``: an activation) or the next
+        one (a gradient); waits for it."""
+        out, peer = self._empty(shape), (self.stage + (-1 if forward else 1)) % self.num_stages
+        self.wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, group=self.group, group_peer=peer,
+                                                     tag=tag)]))
+        return out
+
     def wait(self, works: list[dist.Work]) -> None:
         """Wait for posted transfers, the time counted as this stage's bubble."""
         with self.clock.timing("pp_bubble_ms"):

@@ -50,6 +50,7 @@ from megatier.optim.loss_scaler import DynamicLossScaler
 from megatier.optim.overlap import attach as attach_overlap
 from megatier.optim.schedule import schedule_of
 from megatier.parallel.checkfree_plus import sync_replica_grads
+from megatier.parallel.interleaved_schedule import run_interleaved
 from megatier.parallel.p2p import PipelineComm, bubble_ms
 from megatier.parallel.route_schedule import checkfree_plus_routes, forward_backward_routes
 from megatier.parallel.schedules import forward_backward_1f1b, forward_backward_no_pipeline, forward_pipeline
@@ -156,13 +157,13 @@ class Trainer(InPlaceRecovery):
                                           last_step=self.cfg.train.iters)
 
     def _build_model(self) -> None:
-        m, ps = self.cfg.model, self.ps
+        m, ps, v = self.cfg.model, self.ps, self.cfg.parallel.virtual_stages
         vocab = m.vocab_size or self.dataset_meta["vocab_size"]
         if vocab < self.dataset_meta["vocab_size"]:
             raise ConfigError(f"model.vocab_size={vocab} is smaller than the dataset's vocabulary "
                              f"({self.dataset_meta['vocab_size']}); unset model.vocab_size to take it from the data")
         self.vocab_size = vocab  # the true vocabulary; the model pads its rows (padded logits are -inf)
-        spec = stage_spec(m, tp=ps.tp, pp=ps.pp, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank)
+        spec = stage_spec(m, tp=ps.tp, pp=ps.pp, tp_rank=ps.tp_rank, pp_rank=ps.pp_rank, virtual_stages=v)
         # Re-seeded every step (see train_step) so a resumed run draws the same dropout masks.
         self.dropout_generator = gen = torch.Generator(device=self.device)
         model = GPTStage(m, vocab, spec, tp_group=ps.tp_group, dropout_generator=gen, ep_group=ps.ep_group,
@@ -218,21 +219,20 @@ class Trainer(InPlaceRecovery):
         return [(x.to(self.device), y.to(self.device)) for x, y in batches]
 
     def _forward_backward(self, batches, *, loss_scale: float, forward_only: bool = False) -> torch.Tensor:
-        """Run this rank's micro-batches through the schedule of the layout (pp == 1: no pipeline; else 1F1B, or
-        CheckFree+'s routes when training with model.pipeline_order=checkfree_plus)."""
-        mbs = self._microbatches(batches)
+        """Run this rank's micro-batches through the schedule of the layout (pp == 1: no pipeline; else 1F1B, its
+        interleaved form with parallel.virtual_stages > 1, or CheckFree+'s routes with its pipeline_order)."""
+        mbs, v = self._microbatches(batches), self.cfg.parallel.virtual_stages
         if self.comm is None:
             return forward_backward_no_pipeline(self.model, mbs, loss_scale=loss_scale, forward_only=forward_only)
-        hidden = self.cfg.model.hidden_size
         shards = self.ps.tp if self.model.sequence_parallel else 1  # activations cut by tokens between stages
-        if forward_only:
-            return forward_pipeline(self.model, mbs, comm=self.comm, hidden_size=hidden, seq_shards=shards)
+        kw = {"comm": self.comm, "hidden_size": self.cfg.model.hidden_size, "seq_shards": shards}
+        if v > 1 or forward_only:
+            return run_interleaved(self.model, mbs, virtual_stages=v, loss_scale=loss_scale, forward_only=forward_only,
+                                   **kw) if v > 1 else forward_pipeline(self.model, mbs, **kw)
         if self.cfg.model.pipeline_order == "checkfree_plus":
             routes = checkfree_plus_routes(self.ps.pp, len(mbs))
-            return forward_backward_routes(self.model, mbs, routes, comm=self.comm, hidden_size=hidden,
-                                           loss_scale=loss_scale, seq_shards=shards)
-        return forward_backward_1f1b(self.model, mbs, comm=self.comm, hidden_size=hidden, loss_scale=loss_scale,
-                                     seq_shards=shards)
+            return forward_backward_routes(self.model, mbs, routes, loss_scale=loss_scale, **kw)
+        return forward_backward_1f1b(self.model, mbs, loss_scale=loss_scale, **kw)
 
     def _global_loss(self, local: torch.Tensor) -> tuple[float, Optional[str]]:
         """Mean loss over the global batch, known on every rank (computed on the last stage), and why the ranks
