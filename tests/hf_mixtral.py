@@ -6,6 +6,7 @@ import torch
 
 from megatier.config import ModelConfig
 from megatier.config.schema import expert_ffn_size
+from tests.hf_qwen2_moe import perturbed_and_saved
 
 
 def save_random_mixtral(path: str, cfg: ModelConfig, vocab_size: int, seed: int = 0, **overrides):
@@ -21,10 +22,4 @@ def save_random_mixtral(path: str, cfg: ModelConfig, vocab_size: int, seed: int 
                            router_aux_loss_coef=cfg.moe.aux_loss_coeff, bos_token_id=vocab_size - 1,
                            eos_token_id=vocab_size - 1, **overrides)
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(config)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.1)
-    model.save_pretrained(path)
-    return model.eval()
+    return perturbed_and_saved(MixtralForCausalLM(config), path, seed)

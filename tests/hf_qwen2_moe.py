@@ -18,7 +18,9 @@ def _shape(cfg: ModelConfig, vocab_size: int) -> dict:
                 eos_token_id=vocab_size - 1)
 
 
-def _perturbed_and_saved(model, path: str, seed: int):
+def perturbed_and_saved(model, path: str, seed: int):
+    """``model`` with seeded noise on every weight (so no tensor keeps an init a mapping bug could hide behind),
+    saved to ``path``; returned in eval mode."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -41,7 +43,7 @@ def save_random_qwen2_moe(path: str, cfg: ModelConfig, vocab_size: int, seed: in
                             mlp_only_layers=[i for i in range(cfg.num_layers) if not is_moe_layer(cfg, i)],
                             **overrides)
     torch.manual_seed(seed)
-    return _perturbed_and_saved(Qwen2MoeForCausalLM(config), path, seed)
+    return perturbed_and_saved(Qwen2MoeForCausalLM(config), path, seed)
 
 
 def save_random_qwen2(path: str, cfg: ModelConfig, vocab_size: int, seed: int = 0):
@@ -49,4 +51,4 @@ def save_random_qwen2(path: str, cfg: ModelConfig, vocab_size: int, seed: int = 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    return _perturbed_and_saved(Qwen2ForCausalLM(Qwen2Config(**_shape(cfg, vocab_size))), path, seed)
+    return perturbed_and_saved(Qwen2ForCausalLM(Qwen2Config(**_shape(cfg, vocab_size))), path, seed)
