@@ -40,15 +40,12 @@ def test_q_and_kv_biases_are_named_and_cut_as_their_weights_rows(compose_config)
     assert torch.equal(full_from_shards(shards, 0, 2), kv)
 
 
-@pytest.mark.parametrize("fmt", ["torch_dist", "torchtitan"])
-def test_job_formats_refuse_the_biases_they_would_drop(compose_config, tmp_path, fmt):
+def test_torchtitan_refuses_the_biases_it_would_drop(compose_config, tmp_path):
+    """torchtitan's Llama has no q/k/v biases (torch_dist carries them: test_megatron_dist_llama.py)."""
     from megatier.interop.job_state import JobFormatError
-    from megatier.interop.megatron_dist import export_megatron_dist
     from megatier.interop.torchtitan_dcp import export_torchtitan
 
     cfg = compose_config("model=llama_tiny", "model.qkv_bias=true")
-    export = {"torch_dist": lambda: export_megatron_dist(None, cfg.model, cfg.optim, str(tmp_path), 1e-3, 8),
-              "torchtitan": lambda: export_torchtitan(None, cfg.model, cfg.optim, str(tmp_path), 1e-3)}[fmt]
-    with pytest.raises(JobFormatError, match=f"model.qkv_bias=true: MegaTier's {fmt} mapping has no q/k/v bias"):
-        export()
+    with pytest.raises(JobFormatError, match="model.qkv_bias=true: MegaTier's torchtitan mapping has no q/k/v bias"):
+        export_torchtitan(None, cfg.model, cfg.optim, str(tmp_path), 1e-3)
     assert list(tmp_path.iterdir()) == []  # refused before anything is written
