@@ -32,6 +32,7 @@ server rank, a Tier-3 leader) can be checked against the inventory's record.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass, field, replace
@@ -41,7 +42,7 @@ from megatier.checkpoint.format.chain import chain_to, reachable
 from megatier.checkpoint.format.units import BASE, PayloadId
 from megatier.checkpoint.recover.inventory import ConfigRefusal, RecoveryError
 from megatier.checkpoint.tiers.base import TIER_ORDER, Copy
-from megatier.config.fingerprint import changed_keys
+from megatier.config.fingerprint import changed_keys, recorded_value
 from megatier.parallel.layout import coordinates_of
 
 log = logging.getLogger(__name__)
@@ -60,10 +61,12 @@ class Consensus:
     ignored: list[str] = field(default_factory=list)
     degrees: tuple[int, int, int] = (1, 1, 1)  # (tp, pp, dp) of the layout that wrote the units
     lost_stages: tuple[int, ...] = ()  # pipeline stages with no base anywhere, rebuilt by CheckFree (no chains)
+    # Written with another parallel.virtual_stages than this job's: same degrees, but each rank held other layers.
+    chunks_moved: bool = False
 
     def resharded(self, degrees: tuple[int, int, int]) -> bool:
         """Whether a job of layout ``degrees`` restores this point through resharding."""
-        return self.degrees != tuple(degrees)
+        return self.degrees != tuple(degrees) or self.chunks_moved
 
     def part(self, owners: Iterable[int]) -> "Consensus":
         """The same point with only the chains and copies of ``owners``: what a rank fetching them needs."""
@@ -88,6 +91,12 @@ class ConfigCheck:
         changes = changed_keys(self.known[fingerprint_id], self.current)
         free = (*self.allow, *self.follow)
         return [c for c in changes if c.split(":")[0] not in free and not c.startswith(LAYOUT_KEYS)]
+
+    def virtual_stages(self, fingerprint_id: Optional[str] = None) -> int:
+        """parallel.virtual_stages of the run that wrote units of ``fingerprint_id`` (None: this run's); 1 where
+        nothing is recorded."""
+        record = self.current if fingerprint_id is None else self.known.get(fingerprint_id, {})
+        return int(json.loads(recorded_value(record, "parallel.virtual_stages") or "1"))
 
     def followed_values(self, consensus: "Consensus") -> dict[str, str]:
         """The followed keys' values as recorded with the consensus's base (empty when it has no record)."""
@@ -174,6 +183,21 @@ def by_layout(copies: Iterable[Copy], job_id: str, config: Optional[ConfigCheck]
         else:
             foreign.append((c, reason or f"rank {c.owner} outside world {world}"))
     return grouped, foreign
+
+
+def _by_chunks(usable: list[Copy], config: ConfigCheck) -> list[list[Copy]]:
+    """One layout's copies split by the parallel.virtual_stages that wrote them: each rank of one split held the
+    same layers, so only copies of one split make a point."""
+    parts: dict[int, list[Copy]] = {}
+    for c in usable:
+        parts.setdefault(config.virtual_stages(c.stamp.fingerprint), []).append(c)
+    return [parts[v] for v in sorted(parts)]
+
+
+def _chunks_of(consensus: Consensus, config: ConfigCheck) -> int:
+    """parallel.virtual_stages of the run that wrote ``consensus``'s units."""
+    some = next(c for cs in consensus.copies.values() for c in cs)
+    return config.virtual_stages(some.stamp.fingerprint)
 
 
 def held_per_rank(usable: Iterable[Copy], world_size: int) -> tuple[list[set[int]], list[set[PayloadId]]]:
@@ -296,7 +320,10 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
         return None
     config = config or ConfigCheck("")
     grouped, foreign = by_layout(copies, job_id, config)
-    agreed = [c for d, usable in grouped.items() if (c := _agree_within(usable, d)) is not None]
+    agreed = [c for d, usable in grouped.items() for part in _by_chunks(usable, config)
+              if (c := _agree_within(part, d)) is not None]
+    for c in agreed:
+        c.chunks_moved = _chunks_of(c, config) != config.virtual_stages()
     if not agreed and last_resort == "checkfree" and degrees in grouped:
         agreed = [c for c in [agree_without_lost(grouped[degrees], degrees)] if c is not None]
     if not agreed:
@@ -310,7 +337,7 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
             return None
         raise RecoveryError(f"{message}. Refusing to start from random weights; set "
                             f"checkpoint.allow_fresh_start=true to start from scratch anyway")
-    best = max(agreed, key=lambda c: (c.end, c.degrees == degrees, c.version))
+    best = max(agreed, key=lambda c: (c.end, not c.resharded(degrees), c.version))
     best.ignored = [f"{c.pid} of rank {c.owner} in {c.describe()}: {why}" for c, why in foreign]
     if best.ignored:
         log.warning("recovery ignores %d copies of another job or config, e.g. %s", len(best.ignored),

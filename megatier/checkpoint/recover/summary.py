@@ -213,6 +213,8 @@ def agree(holdings: Iterable[Holding], *, job_id: str, config: Optional[ConfigCh
     refused = {fp for fp in {h.fingerprint for h in holdings} if config.refusal(fp) is not None}
     if any(h.job_id != job_id or h.fingerprint in refused for h in holdings):
         return None
+    if any(config.virtual_stages(h.fingerprint) != config.virtual_stages() for h in holdings):
+        return None  # written with other model chunks per rank: the full consensus splits and reshards
     layouts = {h.degrees for h in holdings}
     if len(layouts) != 1:
         return None
