@@ -378,8 +378,12 @@ def _validate_interleaving(cfg: Config, dp: Optional[int]) -> None:
         check_interleaving(pp=p.pp, virtual_stages=p.virtual_stages, num_microbatches=n,
                            num_layers=cfg.model.num_layers)
     _require(p.virtual_stages == 1 or cfg.model.pipeline_order == "standard",
-             "parallel.virtual_stages > 1 runs model chunks that CheckFree+'s routes and stage rebuild do not "
-             "know; set model.pipeline_order=standard or parallel.virtual_stages=1")
+             "parallel.virtual_stages > 1 runs model chunks that CheckFree+'s routes do not know; set "
+             "model.pipeline_order=standard or parallel.virtual_stages=1")
+    _require(p.virtual_stages == 1 or cfg.checkpoint.last_resort != "checkfree",
+             "checkpoint.last_resort=checkfree rebuilds a lost stage's contiguous layers from its neighbours, but "
+             "parallel.virtual_stages > 1 gives each stage model chunks apart; set checkpoint.last_resort=stop or "
+             "parallel.virtual_stages=1")
 
 
 def _validate_overlap(p: ParallelConfig, m: ModelConfig) -> None:

@@ -2,7 +2,9 @@
 
 Each world trains a 4-layer tiny GPT twice in the same processes, plain pp=2 and pp=2 x v=2, and compares every
 step's loss, the validation loss and the canonical digest of the optimizer state (master weights and both Adam
-moments by parameter name: the ranks hold other layers in the two runs). No dropout: one generator per rank
+moments by parameter name: the ranks hold other layers in the two runs), at pp=2, tp=2 x pp=2 with sequence
+parallelism and full recomputation, and pp=2 x dp=2 with overlapped gradient reduction and parameter gather. No
+dropout: one generator per rank
 draws the masks in the order the rank runs its layers, which interleaving changes.
 """
 from __future__ import annotations
@@ -22,10 +24,11 @@ STEPS = 4
 MODEL = {"num_layers": 4}
 
 
-def _train(tmp: str, prefix: str, name: str, tp: int, sp: bool, v: int, recompute: str) -> dict:
+def _train(tmp: str, prefix: str, name: str, tp: int, sp: bool, v: int, recompute: str, parallel: dict) -> dict:
     cfg = tiny_job(tmp, name, prefix, iters=STEPS, tp=tp, pp=2, sequence_parallel=sp, run=name,
                    model={**MODEL, "recompute": recompute})
-    cfg.parallel.virtual_stages = v
+    for key, value in {**parallel, "virtual_stages": v}.items():
+        setattr(cfg.parallel, key, value)
     trainer = Trainer(cfg)
     losses, bubbles = [], []
     for step in range(1, STEPS + 1):
@@ -39,7 +42,7 @@ def _train(tmp: str, prefix: str, name: str, tp: int, sp: bool, v: int, recomput
     return out
 
 
-def _pair(rank: int, tmp: str, prefix: str, tp: int, sp: bool, recompute: str) -> list[dict]:
+def _pair(rank: int, tmp: str, prefix: str, tp: int, sp: bool, recompute: str, parallel: dict) -> list[dict]:
     """Plain then interleaved; a Trainer's close ends the world, so the second joins a new one."""
     out = []
     for v in (1, 2):
@@ -47,17 +50,20 @@ def _pair(rank: int, tmp: str, prefix: str, tp: int, sp: bool, recompute: str) -
             world = int(os.environ["WORLD_SIZE"])
             dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, f"store{v}"), world), rank=rank,
                                     world_size=world, timeout=timedelta(seconds=60))
-        out.append(_train(tmp, prefix, f"v{v}", tp, sp, v, recompute))
+        out.append(_train(tmp, prefix, f"v{v}", tp, sp, v, recompute, parallel))
     return out
 
 
-@pytest.mark.parametrize("tp,sp,recompute,world", [(1, False, "none", 2), (2, True, "full", 4)],
-                         ids=["pp2", "sp-tp2xpp2-recompute"])
-def test_interleaved_equals_plain_1f1b(corpus_prefix, tmp_path, tp, sp, recompute, world):
-    runs = run_world(_pair, world, tmp_path, str(tmp_path), corpus_prefix, tp, sp, recompute, timeout_s=55)
+@pytest.mark.parametrize("tp,sp,recompute,parallel,world", [
+    (1, False, "none", {}, 2), (2, True, "full", {}, 4),
+    (1, False, "none", {"overlap_grad_reduce": True, "overlap_param_gather": True, "bucket_mb": 0.02}, 4)],
+    ids=["pp2", "sp-tp2xpp2-recompute", "pp2xdp2-overlap"])
+def test_interleaved_equals_plain_1f1b(corpus_prefix, tmp_path, tp, sp, recompute, parallel, world):
+    runs = run_world(_pair, world, tmp_path, str(tmp_path), corpus_prefix, tp, sp, recompute, parallel,
+                     timeout_s=55)
     plain, interleaved = runs[0]
     assert plain["layers"] == [0, 1] and interleaved["layers"] == [0, 2]  # chunk c of rank 0: layer 2c
-    assert runs[-1][1]["layers"] == [1, 3]
+    assert runs[-1][1]["layers"] == [1, 3]  # the last rank: chunk c holds layer 2c + 1
     assert interleaved["losses"] == plain["losses"]
     assert interleaved["val"] == plain["val"]
     assert interleaved["digest"] == plain["digest"]
