@@ -1,11 +1,11 @@
 """The interleaved 1F1B schedule (parallel.virtual_stages=2) trains as plain 1F1B (fp32, CPU, a few steps).
 
 Each world trains a 4-layer tiny GPT twice in the same processes, plain pp=2 and pp=2 x v=2, and compares every
-step's loss, the validation loss and the canonical digest of the optimizer state (master weights and both Adam
-moments by parameter name: the ranks hold other layers in the two runs), at pp=2, tp=2 x pp=2 with sequence
-parallelism and full recomputation, and pp=2 x dp=2 with overlapped gradient reduction and parameter gather. No
-dropout: one generator per rank
-draws the masks in the order the rank runs its layers, which interleaving changes.
+step's loss, the validation loss, the gradient norm (to float64 rounding: see the test) and the canonical
+digest of the optimizer state (master weights and both Adam moments by parameter name: the ranks hold other
+layers in the two runs), at pp=2, tp=2 x pp=2 with sequence parallelism and full recomputation, and pp=2 x dp=2
+with overlapped gradient reduction and parameter gather. No dropout: one generator per rank draws the masks in
+the order the rank runs its layers, which interleaving changes.
 """
 from __future__ import annotations
 
@@ -30,14 +30,15 @@ def _train(tmp: str, prefix: str, name: str, tp: int, sp: bool, v: int, recomput
     for key, value in {**parallel, "virtual_stages": v}.items():
         setattr(cfg.parallel, key, value)
     trainer = Trainer(cfg)
-    losses, bubbles = [], []
+    losses, bubbles, norms = [], [], []
     for step in range(1, STEPS + 1):
         record = trainer.train_step(step)
         losses.append(record["loss"])
         bubbles.append(record["pp_bubble_ms"])
+        norms.append(record["grad_norm"])
         trainer.step = step
     out = {"losses": losses, "val": trainer.evaluate(), "digest": trainer.canonical_digest(), "bubbles": bubbles,
-           "layers": sorted(int(i) for i in trainer.model.layers)}
+           "norms": norms, "layers": sorted(int(i) for i in trainer.model.layers)}
     trainer.close()
     return out
 
@@ -65,6 +66,10 @@ def test_interleaved_equals_plain_1f1b(corpus_prefix, tmp_path, tp, sp, recomput
     assert plain["layers"] == [0, 1] and interleaved["layers"] == [0, 2]  # chunk c of rank 0: layer 2c
     assert runs[-1][1]["layers"] == [1, 3]  # the last rank: chunk c holds layer 2c + 1
     assert interleaved["losses"] == plain["losses"]
+    # The job's squared gradient norm is each rank's float64 sum over its layers, summed over ranks: rank 0 sums
+    # layers {0, 2} instead of {0, 1}, so the norm differs in its last bits; the clip factor taken from it rounds
+    # to the same float32 multiplier, so the weights are equal bitwise (the digest below).
+    assert interleaved["norms"] == pytest.approx(plain["norms"], rel=2e-15, abs=0)
     assert interleaved["val"] == plain["val"]
     assert interleaved["digest"] == plain["digest"]
     assert all(b >= 0.0 for rank in runs for b in rank[1]["bubbles"])
