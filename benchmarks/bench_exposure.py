@@ -4,8 +4,9 @@
     python benchmarks/bench_exposure.py                              # experiment=demo, 12 steps, 3 repeats
     python benchmarks/bench_exposure.py --steps 6 --warmup 2 --repeats 2 --parts layouts
     python benchmarks/bench_exposure.py --steps 8 --warmup 2 --repeats 2 --parts overlap
+    python benchmarks/bench_exposure.py --steps 8 --warmup 2 --repeats 3 --parts interleaved
 
-Three parts:
+Four parts:
 - ``layouts``: ``--procs`` gloo processes on this machine (a FileStore, one torch thread each) train the demo
   model without checkpointing in two layouts, alternately ``--repeats`` times: dp=4, and pp=2 x dp=2 (1F1B).
   ``train.micro_batch_size=2`` in both, so each dp rank of dp=4 runs 2 micro-batches a step and each pipeline of
@@ -17,6 +18,9 @@ Three parts:
   gradient reduction's on, the parameter gather's on, and both (``parallel.overlap_grad_reduce``,
   ``parallel.overlap_param_gather``; the buckets' size ``--bucket-mb``), alternately ``--repeats`` times; the same
   figures.
+- ``interleaved``: pp=2 x dp=2 with plain 1F1B and with the interleaved schedule
+  (``parallel.virtual_stages=2``: two model chunks per rank; in theory the bubble falls from (pp - 1) / (m + pp -
+  1) toward (pp - 1) / (v * m + pp - 1)), alternately ``--repeats`` times; the figures of ``layouts``.
 - ``compile``: one process, the demo model as configured, ``model.compile`` off and on (inductor, unless
   ``--backend``) alternately ``--repeats`` times: the first step (compilation happens there) and the median
   step after ``--warmup``.
@@ -154,6 +158,17 @@ def overlap_part(args, overrides: list[str], tmp: str) -> str:
     return overlap_table(runs)
 
 
+def interleaved_part(args, overrides: list[str], tmp: str) -> str:
+    """The ``interleaved`` part's runs, alternating v within each repeat; its table."""
+    runs: dict[str, list[dict]] = {f"pp=2 x dp=2, v={v}": [] for v in (1, 2)}
+    for repeat in range(args.repeats):
+        for v, (name, results) in zip((1, 2), runs.items()):
+            flags = [f"parallel.virtual_stages={v}"]
+            results.append(layout_run(args.procs, 2, [*overrides, *flags], args.steps, args.warmup, tmp))
+            print(f"{name} repeat {repeat}: {results[-1]}", file=sys.stderr)
+    return layouts_table(runs)
+
+
 def compile_table(runs: dict[bool, list[dict]]) -> str:
     rows = [("on" if on else "off", spread([x["first_step_ms"] for x in r]), spread([x["step_ms"] for x in r]))
             for on, r in runs.items()]
@@ -166,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--parts", default="layouts,overlap,compile")
+    parser.add_argument("--parts", default="layouts,overlap,interleaved,compile")
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="parallel.bucket_mb of the overlap part")
     parser.add_argument("--backend", default="inductor", help="model.compile_backend of the compile part")
     parser.add_argument("overrides", nargs="*", help="config overrides after --; default experiment=demo")
@@ -184,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(layouts_table(runs))
         if "overlap" in args.parts:
             print(overlap_part(args, overrides, tmp))
+        if "interleaved" in args.parts:
+            print(interleaved_part(args, overrides, tmp))
         if "compile" in args.parts:
             os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"  # the first step pays the whole compilation
             compiled: dict[bool, list[dict]] = {False: [], True: []}
