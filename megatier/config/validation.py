@@ -369,11 +369,12 @@ def check_interleaving(*, pp: int, virtual_stages: int, num_microbatches: int, n
 
 
 def _validate_interleaving(cfg: Config, dp: Optional[int]) -> None:
-    """parallel.virtual_stages (megatier.parallel.interleaved): its layout conditions, on the first and the full
-    batch size once the world size gives the micro-batch count; CheckFree+ does not know model chunks."""
+    """parallel.virtual_stages (megatier.parallel.interleaved): its layout conditions, on every batch size of the
+    ramp once the world size gives the micro-batch count; CheckFree does not know model chunks."""
     p, t = cfg.parallel, cfg.train
-    batches = {t.global_batch_size, (t.rampup_batch_size or [t.global_batch_size])[0]} if dp else {0}
-    for batch in sorted(batches):
+    start, increment = (t.rampup_batch_size or [t.global_batch_size, 1])[:2]
+    batches = range(start, t.global_batch_size + 1, increment) if dp and increment > 0 else [0]
+    for batch in batches:
         n = batch // (t.micro_batch_size * dp) if dp else p.pp  # unknown before the world size: assume it fits
         check_interleaving(pp=p.pp, virtual_stages=p.virtual_stages, num_microbatches=n,
                            num_layers=cfg.model.num_layers)
@@ -413,9 +414,9 @@ def validate(cfg: Config, world_size: Optional[int] = None) -> None:
         dp = p.dp(world_size)
     _validate_expert_parallel(p.ep, cfg.model.moe.num_experts, dp)
     _validate_overlap(p, cfg.model)
-    _validate_interleaving(cfg, dp)
     _validate_model(cfg.model, p.tp, p.pp)
     _validate_train(cfg.train, dp)
+    _validate_interleaving(cfg, dp)  # after the ramp's own checks: it walks the ramp
     _validate_pipeline_order(cfg.model, cfg.train, p.pp, dp)
     _validate_optim(cfg.optim)
     _validate_data(cfg.data, cfg.model)

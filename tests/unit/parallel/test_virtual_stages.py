@@ -47,6 +47,12 @@ def test_validation_names_the_field_and_the_fix():
     with pytest.raises(ConfigError, match="multiple of parallel.pp=2"):
         validate(cfg, world_size=2)
     cfg = _cfg(2)
+    cfg.train.rampup_batch_size = [4, 2, 64]  # 2, 3 and 4 micro-batches: 3 is no multiple of pp
+    with pytest.raises(ConfigError, match=r"micro-batches per step \(3\)"):
+        validate(cfg, world_size=2)
+    cfg.train.rampup_batch_size = [4, 4, 64]
+    validate(cfg, world_size=2)
+    cfg = _cfg(2)
     cfg.model.pipeline_order = "checkfree_plus"
     with pytest.raises(ConfigError, match="set model.pipeline_order=standard or parallel.virtual_stages=1"):
         validate(cfg)
