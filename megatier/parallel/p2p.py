@@ -6,7 +6,8 @@ posted at once with ``batch_isend_irecv`` and then waited on, so a stage that
 sends forward while its neighbour sends backward cannot deadlock, whatever
 order the backend serves the messages in (gloo's send may block until the
 matching receive is posted). Messages of one direction between one pair are
-matched in order, so no tags are needed.
+matched in order, so no tags are needed; only the interleaved schedule's ring
+transfers, which may be posted in any order, carry tags.
 
 Every wait on a transfer is timed on :attr:`PipelineComm.clock` (``pp_bubble_ms``): the time this stage sat
 idle for its neighbours, its share of the pipeline bubble (a receive whose sender is still computing, or a
