@@ -158,7 +158,8 @@ def vocab_size(cfg: Config) -> tuple[int, str]:
 
 def shard_segments(cfg: Config, layout: Layout, vocab: int) -> tuple[list[ShardSegment], int]:
     """The segment table and element count of ``layout``'s ZeRO-1 shard, as the Trainer would build them."""
-    spec = stage_spec(cfg.model, tp=layout.tp, pp=layout.pp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank)
+    spec = stage_spec(cfg.model, tp=layout.tp, pp=layout.pp, tp_rank=layout.tp_rank, pp_rank=layout.pp_rank,
+                      virtual_stages=cfg.parallel.virtual_stages)
     params = stage_parameters(cfg.model, vocab, spec)
     flat = FlatLayout.from_params(params, layout.dp, tp_rank=layout.tp_rank)
     return flat.shard_segments(layout.dp_rank), flat.shard_size

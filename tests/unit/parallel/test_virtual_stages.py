@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import pytest
 
+from megatier.checkpoint.offline.plan import shard_segments
 from megatier.config import Config, ModelConfig
 from megatier.config.fingerprint import state_fingerprint
 from megatier.config.schema import ConfigError
 from megatier.config.validation import validate
 from megatier.model.params import stage_parameters, stage_spec
+from megatier.parallel.layout import Layout
 from tests.unit.model.test_stage_parameters import VOCAB, _built
 
 CFG = ModelConfig(num_layers=8, hidden_size=32, num_heads=4, max_position_embeddings=16, ffn_hidden_size=48)
@@ -65,3 +67,8 @@ def test_validation_names_the_field_and_the_fix():
 def test_fingerprint_records_it_only_when_on():
     assert "parallel.virtual_stages" not in state_fingerprint(_cfg(1), "")
     assert state_fingerprint(_cfg(2), "")["parallel.virtual_stages"] == "2"
+
+
+def test_the_size_plan_holds_the_chunks_the_trainer_builds():
+    segments, _ = shard_segments(_cfg(2), Layout(1, 2, 1, 0, 0, 0), 256)
+    assert {int(s.name.split(".")[1]) for s in segments if s.name.startswith("layers.")} == {0, 2}
