@@ -1,4 +1,4 @@
-"""The interleaved 1F1B schedule (parallel.virtual_stages=2) trains as plain 1F1B (fp32, CPU, a few steps).
+"""The interleaved 1F1B schedule (parallel.virtual_stages=2) trains as plain 1F1B (fp32, CPU, 10 steps).
 
 Each world trains a 4-layer tiny GPT twice in the same processes, plain pp=2 and pp=2 x v=2, and compares every
 step's loss, the validation loss, the gradient norm (to float64 rounding: see the test) and the canonical
@@ -20,7 +20,7 @@ from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(120)  # 6-25 s each on an idle 2-core box
-STEPS = 4
+STEPS = 10
 MODEL = {"num_layers": 4}
 # A Llama mixture of experts: each model chunk adds its own MoE layer's router losses (router_loss_scope=layer).
 MOE = dict(name="tiny_moe", arch="llama", hidden_size=32, num_heads=4, num_query_groups=2, ffn_hidden_size=64,
@@ -73,7 +73,7 @@ def test_interleaved_equals_plain_1f1b(corpus_prefix, tmp_path, tp, sp, recomput
     # The job's squared gradient norm is each rank's float64 sum over its layers, summed over ranks: rank 0 sums
     # layers {0, 2} instead of {0, 1}, so the norm differs in its last bits; the clip factor taken from it rounds
     # to the same float32 multiplier, so the weights are equal bitwise (the digest below).
-    assert interleaved["norms"] == pytest.approx(plain["norms"], rel=2e-15, abs=0)
+    assert interleaved["norms"] == pytest.approx(plain["norms"], rel=1e-14, abs=0)
     assert interleaved["val"] == plain["val"]
     assert interleaved["digest"] == plain["digest"]
     assert all(b >= 0.0 for rank in runs for b in rank[1]["bubbles"])
