@@ -73,14 +73,19 @@ def _full_grads(results: list[dict]) -> dict[str, torch.Tensor]:
     return {name: grad[:VOCAB] if name in VOCAB_PARAMS else grad for name, grad in full.items()}
 
 
-def test_tp2_moe_with_and_without_sequence_parallelism_equals_tp1(tmp_path):
-    theirs = save_random_mixtral(str(tmp_path / "hf"), MIXTRAL, VOCAB)
+def runs_by_layout(run, theirs, tmp_path) -> tuple[torch.Tensor, dict]:
+    """``run`` on the imported model at tp=1, tp=2 and tp=2 with sequence parallelism (each world its rank's
+    results), and the Hugging Face model's logits on the same tokens."""
     tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = theirs(tokens[:, :-1]).logits
     layouts = {(1, False): 1, (2, False): 2, (2, True): 2}
-    runs = {(tp, sp): run_world(_run, n, tmp_path, str(tmp_path / "hf"), tp, sp, tokens, timeout_s=120)
-            for (tp, sp), n in layouts.items()}
+    return expected, {(tp, sp): run_world(run, n, tmp_path, str(tmp_path / "hf"), tp, sp, tokens, timeout_s=120)
+                      for (tp, sp), n in layouts.items()}
+
+
+def test_tp2_moe_with_and_without_sequence_parallelism_equals_tp1(tmp_path):
+    expected, runs = runs_by_layout(_run, save_random_mixtral(str(tmp_path / "hf"), MIXTRAL, VOCAB), tmp_path)
     one = runs[(1, False)][0]
     one_grads = _full_grads(runs[(1, False)])
     for layout, results in runs.items():

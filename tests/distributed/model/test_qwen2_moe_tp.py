@@ -9,8 +9,7 @@ import torch
 from megatier.interop.huggingface import load_hf
 from megatier.model.gpt import load_full_state
 from megatier.parallel.state import build_parallel_state
-from tests.distributed.model.test_moe_tp import VOCAB, _full_grads, _logits, _loss_and_grads, _model
-from tests.distributed.world import run_world
+from tests.distributed.model.test_moe_tp import VOCAB, _full_grads, _logits, _loss_and_grads, _model, runs_by_layout
 from tests.hf_qwen2_moe import save_random_qwen2_moe
 from tests.unit.interop.test_qwen2_moe import QWEN
 
@@ -28,13 +27,7 @@ def _run(rank: int, hf_dir: str, tp: int, sequence_parallel: bool, tokens: torch
 
 
 def test_tp2_qwen2_moe_equals_transformers_and_tp1(tmp_path):
-    theirs = save_random_qwen2_moe(str(tmp_path / "hf"), QWEN, VOCAB)
-    tokens = torch.randint(0, VOCAB, (2, 33), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        expected = theirs(tokens[:, :-1]).logits
-    layouts = {(1, False): 1, (2, False): 2, (2, True): 2}
-    runs = {(tp, sp): run_world(_run, n, tmp_path, str(tmp_path / "hf"), tp, sp, tokens, timeout_s=120)
-            for (tp, sp), n in layouts.items()}
+    expected, runs = runs_by_layout(_run, save_random_qwen2_moe(str(tmp_path / "hf"), QWEN, VOCAB), tmp_path)
     one, one_grads = runs[(1, False)][0], _full_grads(runs[(1, False)])
     assert any(name.endswith("attn.kv.bias") for name in one_grads)
     for layout, results in runs.items():
