@@ -189,8 +189,12 @@ def _by_chunks(usable: list[Copy], config: ConfigCheck) -> list[list[Copy]]:
     """One layout's copies split by the parallel.virtual_stages that wrote them: each rank of one split held the
     same layers, so only copies of one split make a point."""
     parts: dict[int, list[Copy]] = {}
+    chunks_of: dict[str, int] = {}  # per fingerprint: a point has one or two, a large world many copies
     for c in usable:
-        parts.setdefault(config.virtual_stages(c.stamp.fingerprint), []).append(c)
+        fp = c.stamp.fingerprint
+        if fp not in chunks_of:
+            chunks_of[fp] = config.virtual_stages(fp)
+        parts.setdefault(chunks_of[fp], []).append(c)
     return [parts[v] for v in sorted(parts)]
 
 
