@@ -13,15 +13,12 @@ counts: no special case when n == P).
 
 The order is a pure function of (P, p, v, n), so it is testable without a
 process group; the schedule that runs it sends each chunk's output to the
-next virtual stage.
+next virtual stage. The layout's conditions live with the config's checks
+(megatier.config.validation.check_interleaving).
 """
 from __future__ import annotations
 
 from typing import NamedTuple
-
-from megatier.config.validation import check_interleaving
-
-__all__ = ["Op", "check_interleaving", "chunk_layers", "interleaved_order", "warmup_count"]
 
 
 class Op(NamedTuple):

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 import pytest
 
 from megatier.config.schema import ConfigError
-from megatier.parallel.interleaved import Op, check_interleaving, chunk_layers, interleaved_order
+from megatier.config.validation import check_interleaving
+from megatier.parallel.interleaved import Op, chunk_layers, interleaved_order
 
 
 def _ops(text: str) -> list[Op]:
