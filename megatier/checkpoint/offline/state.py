@@ -5,7 +5,10 @@
    every rank of some layout reaches, from the newest base V on a tie between
    layouts); with a step N, the newest base V of any layout from which every
    rank of that layout reaches N (:func:`reachable_points` says which steps
-   those are, for the error when N is none of them).
+   those are, for the error when N is none of them). A layout is the degrees
+   and ``parallel.virtual_stages`` (from each copy's config record): at the
+   same degrees, runs with other model chunks gave each rank other layers, so
+   their copies never make one point.
 2. The configuration (:func:`run_configs`): the config fingerprint the units
    reaching E are stamped with, as the tiers record it (key -> JSON value of
    every model and optimizer setting), gives the ModelConfig and the
@@ -32,7 +35,15 @@ from typing import Iterable, Optional
 from megatier.checkpoint.format.chain import reachable, replay_ends
 from megatier.checkpoint.format.units import BASE
 from megatier.checkpoint.offline.tiers import UNREADABLE, ExportError, Holdings, OfflineTiers, where
-from megatier.checkpoint.recover.consensus import Consensus, by_layout, consensus_at, decide, held_per_rank
+from megatier.checkpoint.recover.consensus import (
+    ConfigCheck,
+    Consensus,
+    by_chunks,
+    by_layout,
+    consensus_at,
+    decide,
+    held_per_rank,
+)
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.checkpoint.recover.reshard import OldShard
 from megatier.checkpoint.shard import ShardAccess
@@ -42,6 +53,7 @@ from megatier.optim.canonical import STATE_KINDS, ReshardError, ShardState, asse
 from megatier.parallel.layout import layout_str
 
 Degrees = tuple[int, int, int]
+PointLayout = tuple[Degrees, int]  # degrees and parallel.virtual_stages: what every rank of a point held
 NO_LAYOUT: Degrees = (0, 0, 0)  # matches no layout: decide() then prefers the newest base among equal ends
 
 
@@ -56,13 +68,27 @@ def step_ranges(steps: Iterable[int], sep: str = ", ") -> str:
     return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def reachable_points(copies: Iterable[Copy], job_id: str) -> dict[Degrees, dict[int, set[int]]]:
+def point_layouts(copies: Iterable[Copy], job_id: str, fingerprints: dict[str, dict]
+                  ) -> dict[PointLayout, list[Copy]]:
+    """The job's copies by (degrees, parallel.virtual_stages) that wrote them (``fingerprints``: id -> record)."""
+    config = ConfigCheck("", known=fingerprints)
+    return {(degrees, v): part for degrees, usable in by_layout(copies, job_id)[0].items()
+            for v, part in by_chunks(usable, config).items()}
+
+
+def _layout_str(layout: PointLayout) -> str:
+    degrees, v = layout
+    return layout_str(degrees) + (f" with parallel.virtual_stages={v}" if v > 1 else "")
+
+
+def reachable_points(copies: Iterable[Copy], job_id: str, fingerprints: dict[str, dict]
+                     ) -> dict[PointLayout, dict[int, set[int]]]:
     """Layout -> {base V that every rank of it holds: the steps every rank reaches from V}."""
-    out: dict[Degrees, dict[int, set[int]]] = {}
-    for degrees, usable in by_layout(copies, job_id)[0].items():
-        bases, diffs = held_per_rank(usable, math.prod(degrees))
-        out[degrees] = {v: set.intersection(*(set(reachable(v, d)) for d in diffs))
-                        for v in set.intersection(*bases)}
+    out: dict[PointLayout, dict[int, set[int]]] = {}
+    for layout, usable in point_layouts(copies, job_id, fingerprints).items():
+        bases, diffs = held_per_rank(usable, math.prod(layout[0]))
+        out[layout] = {v: set.intersection(*(set(reachable(v, d)) for d in diffs))
+                       for v in set.intersection(*bases)}
     return out
 
 
@@ -71,17 +97,17 @@ def _no_point(holdings: Holdings, job_id: str) -> ExportError:
         return ExportError(f"no checkpoints of job {job_id!r} in {' or '.join(holdings.looked) or 'any tier'}; "
                            f"check --job-id, --local-root, --remote-url and --tier")
     found = []
-    for degrees, usable in sorted(by_layout(holdings.copies, job_id)[0].items()):
-        bases, _ = held_per_rank(usable, math.prod(degrees))
-        found.append(f"{layout_str(degrees)}: bases per rank {[sorted(b) for b in bases]}")
+    for layout, usable in sorted(point_layouts(holdings.copies, job_id, holdings.fingerprints).items()):
+        bases, _ = held_per_rank(usable, math.prod(layout[0]))
+        found.append(f"{_layout_str(layout)}: bases per rank {[sorted(b) for b in bases]}")
     return ExportError(f"job {job_id!r} has no recovery point: no layout has a base that every one of its ranks "
                        f"holds ({'; '.join(found) or 'no complete unit'}) in {' or '.join(holdings.looked)}")
 
 
-def _unreachable(holdings: Holdings, job_id: str, step: int, points: dict[Degrees, dict[int, set[int]]]
+def _unreachable(holdings: Holdings, job_id: str, step: int, points: dict[PointLayout, dict[int, set[int]]]
                  ) -> ExportError:
-    reach = [f"{step_ranges(s for steps in bases.values() for s in steps)} ({layout_str(d)})"
-             for d, bases in sorted(points.items()) if bases]
+    reach = [f"{step_ranges(s for steps in bases.values() for s in steps)} ({_layout_str(layout)})"
+             for layout, bases in sorted(points.items()) if bases]
     pending = [str(p) for p in holdings.uncommitted if p.first <= step <= p.last]
     note = (f"; Tier-3 holds {', '.join(sorted(pending))} uncommitted, and uncommitted units are never read"
             if pending else "")
@@ -91,20 +117,21 @@ def _unreachable(holdings: Holdings, job_id: str, step: int, points: dict[Degree
 
 def choose_point(holdings: Holdings, job_id: str, step: Optional[int]) -> Consensus:
     """The recovery point to export (module docstring, step 1); ExportError (exit status 1) when there is none."""
-    points = reachable_points(holdings.copies, job_id)
+    points = reachable_points(holdings.copies, job_id, holdings.fingerprints)
     if not any(points.values()):
         raise _no_point(holdings, job_id)
     if step is None:
-        try:
+        try:  # the fingerprints let decide() split each layout's copies by their model chunks
             return decide(holdings.copies, job_id=job_id, degrees=NO_LAYOUT, traces=True, allow_fresh_start=False,
-                          looked=" and ".join(holdings.looked))
+                          looked=" and ".join(holdings.looked), config=ConfigCheck("", known=holdings.fingerprints))
         except RecoveryError as e:
             raise ExportError(str(e)) from None
-    candidates = [(v, d) for d, bases in points.items() for v, steps in bases.items() if step in steps]
+    candidates = [(v, layout) for layout, bases in points.items() for v, steps in bases.items() if step in steps]
     if not candidates:
         raise _unreachable(holdings, job_id, step, points)
-    version, degrees = max(candidates)  # the newest base: the shortest replay
-    return consensus_at(by_layout(holdings.copies, job_id)[0][degrees], degrees, version, step)
+    version, layout = max(candidates)  # the newest base: the shortest replay
+    usable = point_layouts(holdings.copies, job_id, holdings.fingerprints)[layout]
+    return consensus_at(usable, layout[0], version, step)
 
 
 def _section(cls, prefix: str, fingerprint: dict, fp_id: str):

@@ -185,9 +185,9 @@ def by_layout(copies: Iterable[Copy], job_id: str, config: Optional[ConfigCheck]
     return grouped, foreign
 
 
-def _by_chunks(usable: list[Copy], config: ConfigCheck) -> list[list[Copy]]:
-    """One layout's copies split by the parallel.virtual_stages that wrote them: each rank of one split held the
-    same layers, so only copies of one split make a point."""
+def by_chunks(usable: list[Copy], config: ConfigCheck) -> dict[int, list[Copy]]:
+    """One layout's copies by the parallel.virtual_stages that wrote them: each rank of one split held the same
+    layers, so only copies of one split make a point."""
     parts: dict[int, list[Copy]] = {}
     chunks_of: dict[str, int] = {}  # per fingerprint: a point has one or two, a large world many copies
     for c in usable:
@@ -195,7 +195,7 @@ def _by_chunks(usable: list[Copy], config: ConfigCheck) -> list[list[Copy]]:
         if fp not in chunks_of:
             chunks_of[fp] = config.virtual_stages(fp)
         parts.setdefault(chunks_of[fp], []).append(c)
-    return [parts[v] for v in sorted(parts)]
+    return dict(sorted(parts.items()))
 
 
 def _chunks_of(consensus: Consensus, config: ConfigCheck) -> int:
@@ -324,7 +324,7 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
         return None
     config = config or ConfigCheck("")
     grouped, foreign = by_layout(copies, job_id, config)
-    agreed = [c for d, usable in grouped.items() for part in _by_chunks(usable, config)
+    agreed = [c for d, usable in grouped.items() for part in by_chunks(usable, config).values()
               if (c := _agree_within(part, d)) is not None]
     for c in agreed:
         c.chunks_moved = _chunks_of(c, config) != config.virtual_stages()
