@@ -370,7 +370,8 @@ def check_interleaving(*, pp: int, virtual_stages: int, num_microbatches: int, n
 
 def _validate_interleaving(cfg: Config, dp: Optional[int]) -> None:
     """parallel.virtual_stages (megatier.parallel.interleaved): its layout conditions, on every batch size of the
-    ramp once the world size gives the micro-batch count; CheckFree does not know model chunks."""
+    ramp once the world size gives the micro-batch count; CheckFree+'s routes do not know model chunks (CheckFree
+    itself rebuilds a lost stage chunk by chunk, megatier.checkpoint.recover.checkfree)."""
     p, t = cfg.parallel, cfg.train
     start, increment = (t.rampup_batch_size or [t.global_batch_size, 1])[:2]
     batches = range(start, t.global_batch_size + 1, increment) if dp and increment > 0 else [0]
@@ -381,10 +382,6 @@ def _validate_interleaving(cfg: Config, dp: Optional[int]) -> None:
     _require(p.virtual_stages == 1 or cfg.model.pipeline_order == "standard",
              "parallel.virtual_stages > 1 runs model chunks that CheckFree+'s routes do not know; set "
              "model.pipeline_order=standard or parallel.virtual_stages=1")
-    _require(p.virtual_stages == 1 or cfg.checkpoint.last_resort != "checkfree",
-             "checkpoint.last_resort=checkfree rebuilds a lost stage's contiguous layers from its neighbours, but "
-             "parallel.virtual_stages > 1 gives each stage model chunks apart; set checkpoint.last_resort=stop or "
-             "parallel.virtual_stages=1")
 
 
 def _validate_overlap(p: ParallelConfig, m: ModelConfig) -> None:

@@ -28,6 +28,19 @@ Then, collectively, before the parameters are published (:func:`rebuild`):
    times ``checkfree.lr_scale`` from now on (kept in its bases), its loss
    scaler is the neighbours'.
 
+Model chunks (``parallel.virtual_stages`` v > 1, :mod:`megatier.parallel.interleaved`):
+chunk c of stage i runs virtual stage c * P + i, whose neighbours in the virtual
+pipeline are chunk c of stages i-1 and i+1 (0 < i < P-1). Parameters keep their
+global layer names and every chunk holds L = num_layers / (P v) layers (the
+config's checks), so in sorted order a stage's k-th layer is layer k mod L of its
+chunk k // L on every stage: the rename of step 3 maps each chunk onto the
+neighbour's same chunk, layer by layer (``(c P + j) L + m -> (c P + i) L + m``),
+with v = 1 the one-chunk case. The weights stay whole stages' squared gradient
+norms, one per stage for all its chunks (per-chunk norms are not recorded).
+Only the first chunk of stage 0 embeds and only the last chunk of stage P-1 holds
+the head, but those stages stay ends: refused as below (CheckFree+ does not run
+with model chunks).
+
 The first and last stage hold the embedding and the output head, so CheckFree
 alone cannot rebuild them. A job trained with ``model.pipeline_order=checkfree_plus``
 (arXiv:2506.15461, section 4.3, :mod:`megatier.parallel.checkfree_plus`) can: the lost
@@ -156,7 +169,8 @@ def plan(lost: Sequence[int], stage_names: Sequence[set[str]], sumsq: Sequence[O
             if len(layers_of(stage_names[j])) != len(mine):
                 raise _refuse(i, f"it holds {len(mine)} transformer layers and stage {j} "
                                  f"{len(layers_of(stage_names[j]))}; CheckFree needs stages of identical shape "
-                                 f"(model.num_layers divisible by parallel.pp)")
+                                 f"(model.num_layers divisible by parallel.pp x parallel.virtual_stages)")
+        # Sorted position for sorted position: chunk by chunk with model chunks (module docstring).
         renames = tuple(dict(zip(layers_of(stage_names[j]), mine)) for j, _ in sources)
         out.append(StageRebuild(i, sources, renames, _extras(i, lost, stage_names, canonical), stand))
     return out

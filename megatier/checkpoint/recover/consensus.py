@@ -329,7 +329,9 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
     for c in agreed:
         c.chunks_moved = _chunks_of(c, config) != config.virtual_stages()
     if not agreed and last_resort == "checkfree" and degrees in grouped:
-        agreed = [c for c in [agree_without_lost(grouped[degrees], degrees)] if c is not None]
+        # CheckFree rebuilds in place: only copies written with this job's model chunks hold its stages' layers.
+        own = by_chunks(grouped[degrees], config).get(config.virtual_stages(), [])
+        agreed = [c for c in [agree_without_lost(own, degrees)] if c is not None]
     if not agreed:
         if foreign:
             raise _refuse_foreign(foreign, job_id, config)

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from megatier.checkpoint.recover.checkfree import layers_of, mix, plan, stage_sumsq
-from megatier.checkpoint.recover.consensus import checkfree_refusal, decide, lost_stages
+from megatier.checkpoint.recover.consensus import ConfigCheck, checkfree_refusal, decide, lost_stages
 from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.config import ModelConfig
-from megatier.model.params import canonical_name
+from megatier.model.params import canonical_name, stage_parameters, stage_spec
+from megatier.parallel.interleaved import chunk_layers
 from tests.unit.checkpoint.recover.test_consensus import B, D, copies
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,6 +104,36 @@ def test_plan_refuses_unequal_stages_unknown_norms_and_ends_without_stand_ins():
         with pytest.raises(RecoveryError, match=f"stage {end}: it holds the embedding or the output head.*"
                                                 f"checkfree_plus"):
             plan([end], _names(), [1.0] * 4, 10, "weighted")
+
+
+@pytest.mark.parametrize("pp,lost", [(4, 1), (4, 2), (3, 1)])
+def test_with_model_chunks_each_chunk_comes_from_the_neighbours_same_chunk(pp, lost):
+    """v=2, two layers a chunk: chunk c of stage i (virtual stage c * pp + i) is rebuilt from chunk c of i-1 and i+1."""
+    cfg, v = ModelConfig(num_layers=pp * 2 * 2, hidden_size=32, num_heads=4, max_position_embeddings=16), 2
+    names = [{p.name for p in stage_parameters(cfg, 257, stage_spec(cfg, tp=1, pp=pp, tp_rank=0, pp_rank=s,
+                                                                   virtual_stages=v))} for s in range(pp)]
+    (rb,) = plan([lost], names, [1.0, 2.0, 3.0, 4.0][:pp], 10, "weighted")
+    assert [s for s, _ in rb.sources] == [lost - 1, lost + 1] and rb.extras == {}
+    mine = chunk_layers(num_layers=cfg.num_layers, pp=pp, virtual_stages=v, rank=lost)
+    for (source, _), rename in zip(rb.sources, rb.renames):
+        theirs = chunk_layers(num_layers=cfg.num_layers, pp=pp, virtual_stages=v, rank=source)
+        assert rename == {a: b for ours, own in zip(theirs, mine) for a, b in zip(ours, own)}
+    if (pp, lost) == (4, 1):  # spelled out: stage 0 holds 0-1 and 8-9, stage 1 2-3 and 10-11, stage 2 4-5, 12-13
+        assert rb.renames == ({0: 2, 1: 3, 8: 10, 9: 11}, {4: 2, 5: 3, 12: 10, 13: 11})
+    for end in (0, pp - 1):  # the embedding's and the head's stage stay refused
+        with pytest.raises(RecoveryError, match=f"stage {end}: it holds the embedding or the output head"):
+            plan([end], names, [1.0] * pp, 10, "weighted")
+
+
+def test_checkfree_rebuilds_only_from_copies_of_the_jobs_own_model_chunks():
+    """Copies at the job's degrees written with other virtual_stages gave each stage other layers: no rebuild."""
+    cs = _all_but(2)  # written without a config record: parallel.virtual_stages=1
+    chunked = ConfigCheck("", current={"parallel.virtual_stages": "2"})
+    assert decide(cs, job_id="job", degrees=PP4, traces=True, allow_fresh_start=False, looked="Tier-1",
+                  config=ConfigCheck("", current={}), last_resort="checkfree").lost_stages == (2,)
+    with pytest.raises(RecoveryError, match=r"no base version is available for every rank"):
+        decide(cs, job_id="job", degrees=PP4, traces=True, allow_fresh_start=False, looked="Tier-1",
+               config=chunked, last_resort="checkfree")
 
 
 def test_checkfree_plus_rebuilds_an_end_stage_from_its_stand_in_and_exact_copies():
