@@ -1,12 +1,13 @@
 """CheckFree: a pipeline stage lost from every tier is rebuilt from its neighbours, and the run goes on.
 
-A tiny GPT with one layer per stage (pp=4, and pp=3 with tp=2 or dp=2) trains E steps with Tier-1 and Tier-3
-(lossless diffs), then an intermediate stage loses every copy: its Tier-1 area and its Tier-3 objects are
+A tiny GPT with one layer per model chunk (pp=4, pp=3 with tp=2 or dp=2, and pp=4 with two model chunks per
+stage, parallel.virtual_stages=2) trains E steps with Tier-1 and Tier-3 (lossless diffs), then an intermediate
+stage loses every copy: its Tier-1 area and its Tier-3 objects are
 deleted (its Tier-3 units stay committed, so restore only finds them missing when it reads them). Relaunched with
 ``checkpoint.last_resort=checkfree``:
 - the other stages resume exactly at E (no step lost); the lost stage's weights equal, bit for bit and on each
-  tp rank, the average of its neighbours' layer at E weighted by their last squared gradient norms (each the
-  sum over the stage's ranks); its Adam moments and count
+  tp rank, the average of its neighbours' layer at E (in the same model chunk) weighted by their last squared
+  gradient norms (each the sum over the stage's ranks); its Adam moments and count
   start at zero and its lr is the schedule's times 1.1;
 - the recovery record and every later step record say the state is not exact;
 - with the default ``last_resort=stop`` the same relaunch stops, naming the lost stage.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,25 +29,38 @@ from megatier.checkpoint.recover.inventory import RecoveryError
 from megatier.config import (
     Config,
 )
+from megatier.parallel.interleaved import chunk_layers
 from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
 pytestmark = pytest.mark.timeout(300)
 JOB, E, MORE = "checkfreejob", 8, 3
-CASES = {"pp4": ((1, 4, 1), 2), "tp2": ((2, 3, 1), 1), "dp2": ((1, 3, 2), 1)}  # (tp, pp, dp), the lost stage
+# (tp, pp, dp), the lost stage, parallel.virtual_stages
+CASES = {"pp4": ((1, 4, 1), 2, 1), "tp2": ((2, 3, 1), 1, 1), "dp2": ((1, 3, 2), 1, 1), "pp4v2": ((1, 4, 1), 1, 2)}
 
 
-def _config(tmp: str, run: str, iters: int, degrees, last_resort: str = "stop") -> Config:
+def _config(tmp: str, run: str, iters: int, degrees, v: int, last_resort: str = "stop") -> Config:
     tp, pp, _ = degrees
-    return tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, tp=tp, pp=pp, run=run,
-                    model={"name": "tiny", "num_layers": pp},
-                    checkpoint={"tiers": ["local", "remote"], "last_resort": last_resort,
-                                "checkfree": {"lr_scale": 1.1}})
+    cfg = tiny_job(tmp, JOB, Path(tmp, "corpus.txt").read_text(), iters=iters, tp=tp, pp=pp, run=run,
+                   model={"name": "tiny", "num_layers": pp * v},
+                   checkpoint={"tiers": ["local", "remote"], "last_resort": last_resort,
+                               "checkfree": {"lr_scale": 1.1}})
+    cfg.parallel.virtual_stages = v
+    return cfg
 
-def _first_run(rank: int, tmp: str, degrees) -> dict:
+
+def _counterpart(name: str, stage: int, neighbour: int, pp: int, v: int) -> str:
+    """The parameter of ``neighbour`` that stands for ``stage``'s ``name``: the same place in the same chunk."""
+    chunks = [chunk_layers(num_layers=pp * v, pp=pp, virtual_stages=v, rank=s) for s in (stage, neighbour)]
+    to = {a: b for mine, theirs in zip(*chunks) for a, b in zip(mine, theirs)}
+    layer, rest = re.fullmatch(r"layers\.(\d+)\.(.+)", name).groups()
+    return f"layers.{to[int(layer)]}.{rest}"
+
+
+def _first_run(rank: int, tmp: str, degrees, v: int) -> dict:
     os.environ["MEGATIER_NODE_NAME"] = "node0"
-    trainer = Trainer(_config(tmp, "first", E, degrees))
+    trainer = Trainer(_config(tmp, "first", E, degrees, v))
     trainer.train()
     out = {"params": {n: p.detach().clone() for n, p in trainer.model.named_parameters()},
            "sumsq": float(trainer.optimizer.last_sumsq), "stage": trainer.ps.pp_rank, "tp_rank": trainer.ps.tp_rank}
@@ -53,9 +68,9 @@ def _first_run(rank: int, tmp: str, degrees) -> dict:
     return out
 
 
-def _relaunch(rank: int, tmp: str, degrees, last_resort: str) -> dict:
+def _relaunch(rank: int, tmp: str, degrees, v: int, last_resort: str) -> dict:
     os.environ["MEGATIER_NODE_NAME"] = "node0"
-    trainer = Trainer(_config(tmp, f"again-{last_resort}", E + MORE, degrees, last_resort))
+    trainer = Trainer(_config(tmp, f"again-{last_resort}", E + MORE, degrees, v, last_resort))
     try:
         trainer.restore()
     except RecoveryError as e:
@@ -86,21 +101,22 @@ def _lose_stage(tmp: str, ranks: list[int]) -> None:
             os.remove(path)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.timeout(240)) if c == "pp4v2" else c
+                                  for c in sorted(CASES)])
 def test_a_lost_intermediate_stage_is_rebuilt_from_its_neighbours(case, corpus_prefix, tmp_path):
-    degrees, lost = CASES[case]
+    degrees, lost, v = CASES[case]
     world = degrees[0] * degrees[1] * degrees[2]
     (tmp_path / "corpus.txt").write_text(corpus_prefix)
     tmp = str(tmp_path)
-    before = run_world(_first_run, world, tmp_path, tmp, degrees, timeout_s=120)
+    before = run_world(_first_run, world, tmp_path, tmp, degrees, v, timeout_s=120)
     _lose_stage(tmp, [r for r in range(world) if before[r]["stage"] == lost])
 
     if case == "pp4":
-        stopped = run_world(_relaunch, world, tmp_path, tmp, degrees, "stop", timeout_s=120)
+        stopped = run_world(_relaunch, world, tmp_path, tmp, degrees, v, "stop", timeout_s=120)
         for res in stopped:
             assert f"stage(s) [{lost}] lost every copy: checkpoint.last_resort=checkfree" in res["error"], res["error"]
 
-    after = run_world(_relaunch, world, tmp_path, tmp, degrees, "checkfree", timeout_s=120)
+    after = run_world(_relaunch, world, tmp_path, tmp, degrees, v, "checkfree", timeout_s=120)
     assert [a["step"] for a in after] == [E] * world, "the other stages must resume at E: no step lost"
     weight = {s: sum(b["sumsq"] for b in before if b["stage"] == s) for s in (lost - 1, lost + 1)}
     for rank, res in enumerate(after):
@@ -111,7 +127,7 @@ def test_a_lost_intermediate_stage_is_rebuilt_from_its_neighbours(case, corpus_p
         side = {s: next(b["params"] for b in before if b["stage"] == s and b["tp_rank"] == before[rank]["tp_rank"])
                 for s in weight}
         for name, p in res["params"].items():
-            a, b = (side[s][name.replace(f"layers.{lost}.", f"layers.{s}.")] for s in (lost - 1, lost + 1))
+            a, b = (side[s][_counterpart(name, lost, s, degrees[1], v)] for s in (lost - 1, lost + 1))
             assert torch.equal(p, mix([a, b], [weight[lost - 1], weight[lost + 1]])), name
             assert not torch.equal(p, before[rank]["params"][name])
         assert (res["moments"], res["adam_steps"], res["lr_scale"]) == (0.0, 0, 1.1)
