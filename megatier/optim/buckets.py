@@ -7,13 +7,12 @@ its one contiguous range per region (what the checkpoint system saves and replay
 ranges of one or more owners and its *piece* for each owner is the part inside that owner's range (maybe empty).
 The bucket's collectives therefore move uneven pieces, with an all-to-all rather than a reduce-scatter:
 
-- reduce: every rank sends each owner its piece of the bucket (already divided by dp, as the one-collective
-  reduction divides the whole buffer); the owner sums the dp rows *in dp rank order*. The sum of a piece is
-  then a fixed function of the ranks' values, whatever the buckets, so any bucket size and either timing (during
-  backward or after it) gives bitwise the same gradient shard. Gloo's own reduce-scatter orders its sums by where
-  an element sits in its ring segments; at dp = 2 both orders are the same addition (a + b = b + a), beyond that
-  the bucketed reduction is its own exact reference (``BucketedReduce`` with ``overlap=False``: every bucket
-  started after backward).
+- reduce: every rank sends each owner its piece of the bucket (divided by dp in place: the buffer is cleared
+  before the next step anyway); the owner sums the dp rows *in dp rank order*. The sum of a piece is then a
+  fixed function of the ranks' values, whatever the buckets, so any bucket size and either timing (during
+  backward or after it) gives bitwise the same gradient shard. This is the only data-parallel gradient
+  reduction (:mod:`megatier.optim.grad_buffer`): one reduce-scatter would sum in the order of its algorithm's
+  ring segments, which differ with the bucket's bounds beyond dp = 2.
 - gather: each owner sends its piece to every rank, which receives the pieces straight into the bucket's place
   in the parameter buffer. A copy: bitwise the one-collective all-gather.
 
@@ -105,8 +104,8 @@ def _cuts(layout: FlatLayout, start: int, end: int, numel: int) -> list[tuple[in
 def launch_reduce(bucket: Bucket, grad_flat: torch.Tensor, dp: int,
                   group: Optional[dist.ProcessGroup]) -> tuple[torch.Tensor, Optional[dist.Work]]:
     """Start averaging ``bucket`` of ``grad_flat`` over ``group``: the receive buffer (owners x piece) and the
-    work (None when the group is this rank alone). The gradient buffer itself is left as it is."""
-    send = grad_flat[bucket.lo:bucket.hi] / dp
+    work (None when the group is this rank alone). The bucket's part of the gradient buffer is divided by dp."""
+    send = grad_flat[bucket.lo:bucket.hi].div_(dp)
     owners = len(bucket.pieces)
     if owners == 1:
         return send, None

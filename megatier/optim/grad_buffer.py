@@ -2,15 +2,17 @@
 
 Every parameter's gradient is accumulated (across micro-batches) into an fp32
 view of one flat buffer laid out exactly like the parameter buffer. After the
-last micro-batch the buffer is averaged over dp with one reduce-scatter (two
-with routed experts: theirs over the expert-data-parallel group), which leaves
-each dp rank the gradient of the shard its ZeRO-1 optimizer owns.
+last micro-batch the buffer is averaged over dp (the routed experts' region over
+the expert-data-parallel group), which leaves each dp rank the gradient of the
+shard its ZeRO-1 optimizer owns: one contiguous range of each region, the unit
+the checkpoint system saves and replays.
 
-By default the reduction is one reduce-scatter after backward: each dp rank owns one contiguous range of
-the whole flat space (the unit the checkpoint system saves and replays). With ``parallel.overlap_grad_reduce``
-a :class:`~megatier.optim.overlap.BucketedReduce` (:attr:`GradBuffer.bucketed`) reduces bucket by bucket
-instead, started from the hooks below, each bucket's pieces going to the owners of the ranges it straddles, so
-the ownership, and what the checkpoint system saves, stays the same.
+The reduction is always a :class:`~megatier.optim.overlap.BucketedReduce` (:attr:`GradBuffer.bucketed`), as in
+Megatron-core, where buckets exist with or without the overlap: each owner sums the dp contributions of its
+range in rank order, so the gradient shard is the same bits whatever the bucket size and whether the buckets
+start from the hooks below (``parallel.overlap_grad_reduce``) or after backward, and a run may turn the overlap
+on or off at any relaunch. Without :func:`megatier.optim.overlap.attach` (a bare buffer in a test or tool) it
+is the default buckets, started after backward.
 
 The reduction is timed on :attr:`GradBuffer.clock` (``dp_grad_wait_ms``): the time the step waits for it after
 backward, all of it without the overlap.
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatier.optim.collectives import reduce_scatter_flat
+from megatier.optim.buckets import bucket_numel
 from megatier.optim.flat import FlatLayout
 from megatier.optim.overlap import BucketedReduce
 from megatier.optim.wait_clock import WaitClock
@@ -78,26 +80,11 @@ class GradBuffer:
         """Average over dp and return this rank's shard (a fresh tensor the optimizer may modify). A routed
         expert's gradient already sums the tokens of its whole ep group (they were dispatched to it), so the
         expert region is divided by dp too and summed over the expert-data-parallel group only."""
-        dp = self.layout.dp
-        if dp == 1:
+        if self.layout.dp == 1:
             return torch.cat([self.flat[lo:hi] for lo, hi in self.layout.shard_ranges(dp_rank)])
-        if self.bucketed is not None:
-            return self.bucketed.finish(self.flat, self._groups(), self.clock)
-        self.flat.div_(dp)
-        dense = self.layout.dense_numel
-        regions = [(self.flat[:dense], self.dp_group, dp)]
-        if self.layout.expert_shard_size:
-            regions.append((self.flat[dense:], self.expert_dp_group or self.dp_group, self.layout.edp))
-        shards = []
-        for (full, group, size), (lo, hi) in zip(regions, self.layout.shard_ranges(dp_rank)):
-            if size == 1:
-                shards.append(self.flat[lo:hi].clone())
-                continue
-            shard = torch.empty(hi - lo, dtype=torch.float32, device=self.flat.device)
-            with self.clock.timing("dp_grad_wait_ms"):
-                reduce_scatter_flat(shard, full, group)
-            shards.append(shard)
-        return shards[0] if len(shards) == 1 else torch.cat(shards)
+        if self.bucketed is None:
+            self.bucketed = BucketedReduce(self.layout, dp_rank, bucket_numel(0), overlap=False, late=set())
+        return self.bucketed.finish(self.flat, self._groups(), self.clock)
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

@@ -147,13 +147,15 @@ def late_parameters(module: nn.Module) -> set[str]:
 
 def attach(parallel: ParallelConfig, module: nn.Module, grads, optimizer) -> None:
     """Give ``grads`` (a GradBuffer) and ``optimizer`` (a DistributedAdamW) their bucketed communication as
-    ``parallel`` asks: the reduction with ``overlap_grad_reduce``, the gather with ``overlap_param_gather``, in
-    buckets of ``bucket_mb``. Nothing at dp = 1 (no data-parallel communication)."""
+    ``parallel`` asks, in buckets of ``bucket_mb``: the reduction (started from the hooks with
+    ``overlap_grad_reduce``, else after backward) and, with ``overlap_param_gather``, the gather. Nothing at
+    dp = 1 (no data-parallel communication)."""
     layout = grads.layout
     if layout.dp == 1:
         return
     numel = bucket_numel(parallel.bucket_mb)
-    if parallel.overlap_grad_reduce:
-        grads.bucketed = BucketedReduce(layout, optimizer.dp_rank, numel, overlap=True, late=late_parameters(module))
+    overlap = parallel.overlap_grad_reduce
+    grads.bucketed = BucketedReduce(layout, optimizer.dp_rank, numel, overlap=overlap,
+                                    late=late_parameters(module) if overlap else set())
     if parallel.overlap_param_gather:
         optimizer.gather = BucketedGather(layout, optimizer.dp_rank, numel, module, grads.clock)
