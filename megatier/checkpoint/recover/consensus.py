@@ -148,7 +148,8 @@ def _refuse_foreign(foreign: list[tuple[Copy, str]], job_id: str, config: Config
         f"with the job id it was written with, or use a new checkpoint.job_id")
 
 
-def _missing_message(bases: list[set[int]], degrees: tuple[int, int, int], looked: str) -> str:
+def _missing_message(bases: list[set[int]], degrees: tuple[int, int, int], looked: str,
+                     checkfree_blocked: str = "") -> str:
     world_size = math.prod(degrees)
     none = [r for r in range(world_size) if not bases[r]]
     newest = max((v for vs in bases for v in vs), default=None)
@@ -162,8 +163,9 @@ def _missing_message(bases: list[set[int]], degrees: tuple[int, int, int], looke
         parts.append(f"bases found per rank: {held}")
     lost = lost_stages(bases, degrees)
     if lost:
-        parts.append(f"pipeline stage(s) {lost} lost every copy: checkpoint.last_resort=checkfree rebuilds an "
-                     f"intermediate stage from its neighbours (not exact)")
+        parts.append(f"pipeline stage(s) {lost} lost every copy: " + (
+            checkfree_blocked or "checkpoint.last_resort=checkfree rebuilds an intermediate stage from its "
+                                 "neighbours (not exact)"))
     return f"no base version is available for every rank ({'; '.join(parts)}). Looked in {looked}"
 
 
@@ -328,16 +330,20 @@ def decide(copies: list[Copy], *, job_id: str, degrees: tuple[int, int, int], tr
               if (c := _agree_within(part, d)) is not None]
     for c in agreed:
         c.chunks_moved = _chunks_of(c, config) != config.virtual_stages()
+    blocked = ""
     if not agreed and last_resort == "checkfree" and degrees in grouped:
         # CheckFree rebuilds in place: only copies written with this job's model chunks hold its stages' layers.
-        own = by_chunks(grouped[degrees], config).get(config.virtual_stages(), [])
-        agreed = [c for c in [agree_without_lost(own, degrees)] if c is not None]
+        splits, v = by_chunks(grouped[degrees], config), config.virtual_stages()
+        agreed = [c for c in [agree_without_lost(splits.get(v, []), degrees)] if c is not None]
+        if v not in splits:
+            blocked = (f"CheckFree rebuilds a stage in place from copies of this job's parallel.virtual_stages={v}, "
+                       f"but they were written with virtual_stages={sorted(splits)}: relaunch with that value")
     if not agreed:
         if foreign:
             raise _refuse_foreign(foreign, job_id, config)
         shown = degrees if degrees in grouped or not grouped else max(grouped, key=lambda d: len(grouped[d]))
         bases, _ = held_per_rank(grouped.get(shown, []), math.prod(shown))
-        message = _missing_message(bases, shown, looked)
+        message = _missing_message(bases, shown, looked, blocked)
         if allow_fresh_start:
             log.warning("starting fresh because checkpoint.allow_fresh_start is set, although: %s", message)
             return None

@@ -131,7 +131,9 @@ def test_checkfree_rebuilds_only_from_copies_of_the_jobs_own_model_chunks():
     chunked = ConfigCheck("", current={"parallel.virtual_stages": "2"})
     assert decide(cs, job_id="job", degrees=PP4, traces=True, allow_fresh_start=False, looked="Tier-1",
                   config=ConfigCheck("", current={}), last_resort="checkfree").lost_stages == (2,)
-    with pytest.raises(RecoveryError, match=r"no base version is available for every rank"):
+    with pytest.raises(RecoveryError, match=r"no base version is available for every rank.*stage\(s\) \[2\] lost "
+                                            r"every copy: CheckFree .* parallel.virtual_stages=2, but they were "
+                                            r"written with virtual_stages=\[1\]: relaunch with that value"):
         decide(cs, job_id="job", degrees=PP4, traces=True, allow_fresh_start=False, looked="Tier-1",
                config=chunked, last_resort="checkfree")
 
