@@ -152,6 +152,7 @@ class NodeAgent:
     def _start_spare(self) -> None:
         member = f"{self.node}/spare{self._spares_started}"
         self._spares_started += 1
+        MembershipRound(self.store, 0, self.prefix).announce_spare(member)  # a round may wait for it to come up
         command = [sys.executable, *self.script_args]
         self.children.append(Child(member, self._spawn(command, self._env(member, None, 0))))
 

@@ -13,7 +13,10 @@ launcher's agent hosts it, or a host the user names. Each round is an *epoch*; i
 
 The first survivor to join decides: it waits until every member of the failed world has joined or been
 reported dead (:meth:`~MembershipRound.report_dead`: the launcher saw its process exit), or until the deadline
-(a hung process never joins), then publishes :func:`~megatier.parallel.assignment.assign_ranks`' answer.
+(a hung process never joins), then publishes :func:`~megatier.parallel.assignment.assign_ranks`' answer. A
+lost rank with no spare in the round waits for a spare the launcher started that is still coming up
+(:meth:`~MembershipRound.announce_spare`, :meth:`~MembershipRound.spare_up`: on a loaded machine importing torch
+can outlast the first steps), up to the round's timeout, before the round shrinks dp.
 Everyone reads that one answer, so no two processes act on different worlds; only the decider polls the
 store (two counters), and only it reads the member list, once. A survivor that joins after the decision is
 in neither list and must leave (:meth:`Outcome.role`), as must everyone when the round could not complete
@@ -37,6 +40,11 @@ PREFIX = "megatier/membership"
 _POLL_S = 0.005
 _LEASE_POLL_S = 0.25  # how often the decider reads the agents' heartbeats (one request per node)
 BEAT_S = 0.5  # how often a node agent beats (megatier.launcher.agent)
+
+
+def member_of_id(member_id: str) -> Member:
+    """The member of a lifelong id ``<node>/<local>`` or ``<node>/spare<k>``."""
+    return Member(member_id, member_id.rpartition("/")[0])
 
 
 def beat(store: dist.Store, prefix: str, node: str) -> None:
@@ -135,6 +143,26 @@ class MembershipRound:
             return None
         return [self.store.get(k).decode() for k in keys]
 
+    def announce_spare(self, member_id: str) -> None:
+        """A launcher started spare ``member_id``: until it is up (:meth:`spare_up`) or dead, a round that has no
+        spare for a lost rank waits for it rather than shrink."""
+        slot = self.store.add(f"{self._root}/spares/count", 1) - 1
+        self.store.set(f"{self._root}/spares/{slot}", member_id)
+
+    def spare_up(self, member_id: str) -> None:
+        """Spare ``member_id`` has joined its first round: it is in every round from now on (or holds a rank)."""
+        slot = self.store.add(f"{self._root}/spares_up/count", 1) - 1
+        self.store.set(f"{self._root}/spares_up/{slot}", member_id)
+
+    def _spares_coming(self, world: list[Member], leases: "NodeLeases") -> bool:
+        """Whether a spare a launcher started is neither up, nor in this round, nor dead: it is still starting."""
+        started = set(self._listed(f"{self._root}/spares/count", f"{self._root}/spares"))
+        if not started:
+            return False
+        up = set(self._listed(f"{self._root}/spares_up/count", f"{self._root}/spares_up"))
+        coming = started - up - {m.id for m in self.members()}
+        return bool(coming - self._lost_members([*world, *(member_of_id(i) for i in coming)], leases))
+
     def publish_world(self, ids: list[str]) -> None:
         """The launch's world (member id by rank), for the spares: epoch 0 has no decision that lists it."""
         self.store.set(f"{self._root}/world", json.dumps(ids))
@@ -149,7 +177,7 @@ class MembershipRound:
         else:
             listed = self.store.check([f"{self._root}/world"])
             holders = json.loads(self.store.get(f"{self._root}/world")) if listed else []
-        world = [Member(h, h.rpartition("/")[0]) for h in holders]
+        world = [member_of_id(h) for h in holders]
         return bool(world) and {m.id for m in world} <= self._lost_members(world, leases)
 
     def arrive(self) -> None:
@@ -189,8 +217,9 @@ class MembershipRound:
         """The deciding survivor's part: wait until every member of the failed ``world`` (by rank) has joined or
         is dead (reported by its agent, or on a node whose agent's lease of ``lease_s`` ran out), or for the
         deadline (a hung process never joins); publish the decision. With a lost rank and no spare for it, wait
-        up to ``replacement_s`` more for one to join (a replacement process), then shrink dp if ``shrink`` (to
-        a count of replicas ``dp_ok`` accepts). A round that would form the same world as the one before it,
+        up to ``replacement_s`` more for one to join (a replacement process), and up to ``deadline_s`` more while
+        a spare the launcher started is still coming up, then shrink dp if ``shrink`` (to a count of replicas
+        ``dp_ok`` accepts). A round that would form the same world as the one before it,
         at the same step, twice in a row is refused: the failure recurs with nobody lost, so it is the job's
         own and another round would only repeat it."""
         deadline = time.monotonic() + deadline_s
@@ -203,8 +232,9 @@ class MembershipRound:
                 break
             time.sleep(_POLL_S)
         assignment = self._assign(degrees, world, leases)
-        wait_until = time.monotonic() + replacement_s
-        while assignment is None and time.monotonic() < wait_until:
+        wait_until, spares_until = time.monotonic() + replacement_s, time.monotonic() + deadline_s
+        while assignment is None and (time.monotonic() < wait_until or (
+                time.monotonic() < spares_until and self._spares_coming(world, leases))):
             time.sleep(50 * _POLL_S)
             assignment = self._assign(degrees, world, leases)
         if assignment is None and shrink:

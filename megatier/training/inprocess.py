@@ -38,7 +38,7 @@ from megatier.config import Config, ConfigError, RecoveryConfig, validate
 from megatier.faults import CrashPoint, FaultInjector
 from megatier.launcher.agent import ENV_MEMBER, ENV_RUN, ENV_SPARE, ENV_STORE, connect_store, run_prefix
 from megatier.parallel.assignment import Assignment, Member
-from megatier.parallel.membership import MembershipRound, NodeLeases
+from megatier.parallel.membership import MembershipRound, NodeLeases, member_of_id
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ def member_of(member_id: str) -> Member:
     node, _, slot = member_id.rpartition("/")
     if not node or not slot:
         raise ValueError(f"{ENV_MEMBER}={member_id!r} must be <node>/<slot>")
-    return Member(member_id, node)
+    return member_of_id(member_id)
 
 
 def is_spare() -> bool:
@@ -130,7 +130,7 @@ class Membership:
         self.epoch += 1
         rnd = MembershipRound(self.store, self.epoch, self.prefix)
         cfg = self.cfg
-        wait = cfg.round_timeout_s + cfg.wait_for_replacement_s + cfg.node_lease_s
+        wait = 2 * cfg.round_timeout_s + cfg.wait_for_replacement_s + cfg.node_lease_s  # decide()'s bound
         def decide():
             return rnd.decide(degrees, self.world, deadline_s=cfg.round_timeout_s, shrink=cfg.shrink,
                               replacement_s=cfg.wait_for_replacement_s, dp_ok=dp_ok, lease_s=cfg.node_lease_s)
@@ -189,9 +189,13 @@ class Membership:
         of the job died at once: no survivor is left to start a round."""
         self.epoch = MembershipRound.decided_epochs(self.store, self.prefix) + 1
         leases, looked = NodeLeases(self.store, self.prefix, self.cfg.node_lease_s), time.monotonic()
+        up = False
         while True:
             rnd = MembershipRound(self.store, self.epoch, self.prefix)
             rnd.join(self.me, survivor=False)
+            if not up:  # in a round now: a round short of a spare no longer waits for this one to come up
+                rnd.spare_up(self.me.id)
+                up = True
             while not rnd.decided():
                 if MembershipRound.finished(self.store, self.prefix):
                     return None

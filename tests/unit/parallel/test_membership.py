@@ -191,3 +191,36 @@ def test_the_end_of_the_job_is_seen_by_idle_spares(store):
     assert not MembershipRound.finished(client) and not MembershipRound(client, 1).decided()
     MembershipRound.finish(client)
     assert MembershipRound.finished(_client(store))
+
+
+def test_a_spare_still_coming_up_is_waited_for_rather_than_shrinking(store):
+    late = Member("node2/spare0", "node2")
+    client = _client(store)
+    MembershipRound(client, epoch=0).announce_spare(late.id)  # its agent started it; it is still importing
+    MembershipRound(client, epoch=1).report_dead(WORLD[1].id)
+
+    def coming_up(rnd):
+        time.sleep(1.0)
+        rnd.join(late, survivor=False)
+        rnd.spare_up(late.id)
+        return rnd.outcome(timeout_s=30)
+
+    started = time.monotonic()
+    out = _in_threads(store, {**{m.id: _survivor(m, deadline_s=10) for r, m in enumerate(WORLD) if r != 1},
+                              late.id: coming_up})
+    (a,) = {o.assignment for o in out.values()}
+    assert a.dp == 2 and a.holders[1] == late.id  # no shrink: the spare took the lost rank
+    assert time.monotonic() - started < 8
+
+
+def test_a_spare_that_died_coming_up_is_not_waited_for(store):
+    client = _client(store)
+    for spare in ("node2/spare0", "node0/spare1"):
+        MembershipRound(client, epoch=0).announce_spare(spare)
+    MembershipRound(client, epoch=0).spare_up("node0/spare1")  # up, then gone: a holder of an earlier world
+    for dead in (WORLD[1].id, "node2/spare0"):
+        MembershipRound(client, epoch=1).report_dead(dead)
+    started = time.monotonic()
+    out = _in_threads(store, {m.id: _survivor(m, deadline_s=10) for r, m in enumerate(WORLD) if r != 1})
+    (a,) = {o.assignment for o in out.values()}
+    assert a.dp == 1 and time.monotonic() - started < 5  # shrunk at once: nobody is coming
