@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.megatier-installed
 
-.PHONY: install demo lint test clean gpu-wheels gpu-check
+.PHONY: install demo lint test test-slow clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -37,8 +37,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
+# `make test` is the suite CI runs (~30 min on 2 cores); `make test-slow` the long drills and the further cases of
+# parametrized tests (marked slow, ~80 min), with the CUDA compiler packages its compile check needs.
 test: lint
-	$(PY) -m pytest -n 2 --durations=25 tests
+	$(PY) -m pytest -n 2 -m "not slow" --durations=25 tests
+
+test-slow: install
+	$(PY) -m tools.cuda_compile install
+	$(PY) -m pytest -n 2 -m slow --durations=25 tests
 
 # The lent GPU machine has no network: fetch here the pure-Python wheels it lacks (docs/benchmarks.md, "GPU").
 gpu-wheels: install

@@ -37,12 +37,14 @@ def test_the_catalogue_covers_every_fault_class_the_campaign_promises():
         FaultRule("teapot")
 
 
+@pytest.mark.slow
 def test_a_short_campaign_survives_every_fault_bit_exactly(tmp_path):
     report = _campaign(tmp_path, 8, 5, SHORT)
     assert "8/8 faults recovered as required" in report and "bit-identical" in report
     assert "RESULT: every fault survived or reported" in report
 
 
+@pytest.mark.slow
 def test_the_reliability_faults_are_caught_or_fallen_back_from_and_the_job_ends_bit_identical(tmp_path):
     """A NaN base under a valid checksum (another copy serves), a NaN gradient and a flipped activation bit (the
     step's rerun catches them), a step that crashes whenever it is reached in two launches in a row (the next
@@ -52,7 +54,7 @@ def test_the_reliability_faults_are_caught_or_fallen_back_from_and_the_job_ends_
     assert report.count("a transient fault on rank(s)") == 2
 
 
-@pytest.mark.parametrize("restored_first", [False, True])
+@pytest.mark.parametrize("restored_first", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_recurring_crash_must_make_the_guard_fall_back_only_after_a_restored_point(tmp_path, restored_first):
     """A step that crashes in the job's first launch follows no restored point: the launch after it restores the
     newest point, as it should. After a restored point, the restart-loop guard must fall back instead."""
@@ -63,6 +65,7 @@ def test_a_recurring_crash_must_make_the_guard_fall_back_only_after_a_restored_p
     assert bool(problems) == restored_first, problems
 
 
+@pytest.mark.slow
 def test_in_process_a_node_fault_kills_the_whole_node_and_each_launch_ends_past_its_fault(tmp_path):
     campaign = Campaign({"faults": 2, "types": ["node", "software"], "recovery": "inprocess"}, str(tmp_path))
     envs = {e.fault.name: campaign._env(e)[e.victim]["MEGATIER_CRASH_AT"] for e in campaign.events}

@@ -13,6 +13,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.mark.slow
 def test_a_node_and_a_process_lost_in_one_job_end_bit_identical(tmp_path):
     cmd = [sys.executable, str(REPO / "tools" / "chaos" / "storm.py"), "--faults", "2", "--interval-s", "5",
            "--iters", "160", "--seed", "1", "--work-dir", str(tmp_path / "work")]

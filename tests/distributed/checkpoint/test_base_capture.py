@@ -92,7 +92,9 @@ def _same(a, b) -> list[str]:
     return differ
 
 
-@pytest.mark.parametrize("layout", [(2, 1), (1, 2), (1, 1)], ids=["tp2-dp2", "pp2-dp2", "dp4"])
+@pytest.mark.parametrize("layout", [pytest.param((2, 1), id="tp2-dp2", marks=pytest.mark.slow),
+                                    pytest.param((1, 2), id="pp2-dp2", marks=pytest.mark.slow),
+                                    pytest.param((1, 1), id="dp4")])
 def test_spread_bases_are_bitwise_the_snapshot_bases(tmp_path, corpus_prefix, layout):
     results = run_world(_train, WORLD, tmp_path, str(tmp_path), corpus_prefix, layout, timeout_s=240)
     for rank, runs in enumerate(results):

@@ -193,6 +193,7 @@ def test_remote_failing_its_first_writes_is_retried_and_commits(tmp_path, corpus
     assert {PayloadId.base(0), PayloadId.base(10)} <= {c.pid for c in RemoteReader(store, JOB).committed()}
 
 
+@pytest.mark.slow
 def test_reclamation_bounds_tier1_and_tier2_over_300_steps(tmp_path, corpus_prefix):
     results = _run(tmp_path, corpus_prefix, watch_every=5, iters=300, tp=1, base_interval=25)
     batches_per_interval = 25 // 5

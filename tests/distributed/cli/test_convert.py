@@ -109,6 +109,7 @@ def test_export_after_a_tp1_run_computes_megatiers_logits(trained, corpus_prefix
                                                                                   prompt))
 
 
+@pytest.mark.slow
 def test_exports_from_tp2_and_pp2_relaunches_are_bitwise_the_tp1_export(trained, corpus_prefix, tmp_path, capsys):
     exports = {}
     for degrees in ((1, 1, 1), (2, 1, 1), (1, 2, 1)):
@@ -129,6 +130,7 @@ def test_exports_from_tp2_and_pp2_relaunches_are_bitwise_the_tp1_export(trained,
             assert torch.equal(got[name], value), f"{name} of the {degrees} export differs from tp=1's"
 
 
+@pytest.mark.slow
 def test_a_lossy_export_is_the_state_a_restore_installs(corpus_prefix, tmp_path, capsys):
     """With int8 diffs the replayed state is not training's, but it is exactly what a relaunch restores."""
     trained = run_world(_run, 1, tmp_path, corpus_prefix, str(tmp_path), (1, 1, 1), E, MODEL, "int8", timeout_s=90)

@@ -139,7 +139,7 @@ def points_reference(tmp_path_factory) -> str:
 # ---- the three classes, lossless, bit-identical ------------------------------------------------------
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["tiny", "llama_tiny"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("llama_tiny", marks=pytest.mark.slow)])
 def test_stage_failure_is_rebuilt_by_checkfree(tmp_path, model):
     """Stage 2 of 4 dies at step 12 and loses every copy (Tier-1, its replicas, its Tier-3 objects); the relaunch
     rebuilds it from stages 1 and 3 with CheckFree, loses no step, and says the result is not exact."""
@@ -193,6 +193,7 @@ def test_node_failure_serves_the_lost_node_from_tier2(tmp_path, drill_reference)
     assert_goodput_adds_up(report)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fail", ["software", "node"])
 def test_llama_recovers_bit_identical(tmp_path, llama_reference, fail):
@@ -207,6 +208,7 @@ def test_llama_recovers_bit_identical(tmp_path, llama_reference, fail):
     assert report["final_digest"] == llama_reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fail", ["software", "node"])
 def test_an_ep2_moe_job_recovers_bit_identical(tmp_path, moe_reference, fail):
@@ -239,6 +241,7 @@ def test_rack_failure_recovers_from_tier3(tmp_path, drill_reference):
     assert rec["end"] in bases and rec["end"] + 10 not in bases, bases
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_spread_base_recovers_bit_identical(tmp_path, drill_reference):
     """Base 20 captured in 4 parts during steps 18-21 (the schedule) and reconciled by replay; a failure at 27
@@ -251,6 +254,7 @@ def test_a_spread_base_recovers_bit_identical(tmp_path, drill_reference):
     assert report["final_digest"] == drill_reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_flipped_byte_in_a_tier1_base_falls_through_and_stays_exact(tmp_path, drill_reference):
     report = drill(tmp_path, "--fail", "software", "--corrupt", "--at-step", "19")
@@ -261,6 +265,7 @@ def test_flipped_byte_in_a_tier1_base_falls_through_and_stays_exact(tmp_path, dr
     assert report["final_digest"] == drill_reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_adaptive_compression_with_a_failure_every_100_steps_ends_within_1pct(tmp_path):
     """The demo model (``small``) for 300 steps, shorter sequences to fit the suite's budget.
@@ -284,7 +289,8 @@ def test_adaptive_compression_with_a_failure_every_100_steps_ends_within_1pct(tm
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nodes,procs,tp,batch", [(3, 1, 1, 12), (2, 2, 2, 4)], ids=["3x1-to-2x1", "2x2-to-1x2"])
+@pytest.mark.parametrize("nodes,procs,tp,batch", [pytest.param(3, 1, 1, 12, id="3x1-to-2x1"),
+                                                   pytest.param(2, 2, 2, 4, id="2x2-to-1x2", marks=pytest.mark.slow)])
 def test_node_lost_without_a_spare_carries_on_resharded(tmp_path, nodes, procs, tp, batch):
     """Elastic continuation: the job relaunches on the survivors with a smaller dp; the lost node's ranks come
     from their replicas on the survivors, nothing from Tier-3, and the state at E equals the fault-free run's
@@ -351,12 +357,16 @@ def _crash_then_recover(work: Path, reference: str, env_first: dict, *, env_seco
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("point,step", CRASHES, ids=[p for p, _ in CRASHES])
+# One crash point in `make test`, the others in `make test-slow`.
+@pytest.mark.parametrize("point,step", [pytest.param(p, s, id=p,
+                                                     marks=() if p == "t3.before_marker" else pytest.mark.slow)
+                                        for p, s in CRASHES])
 def test_crash_point_recovers_exactly_without_hang(tmp_path, points_reference, point, step):
     env = {i: {"MEGATIER_CRASH_AT": f"{point}:{step}"} for i in range(2)}
     _crash_then_recover(tmp_path, points_reference, env)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_crash_during_replay_recovers_on_the_next_launch(tmp_path, points_reference):
     first = {i: {"MEGATIER_CRASH_AT": "train.step_end:17"} for i in range(2)}
@@ -376,6 +386,7 @@ def loaded_machine():
         proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fail, most", [("software", 1), ("node", 2)])
 def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_reference, loaded_machine, fail, most):
@@ -386,6 +397,7 @@ def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_referenc
     assert report["final_digest"] == drill_reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_flipped_parameter_replica_is_named_healed_and_its_base_never_committed(tmp_path):
     """dp=3: after step 10's all-gather one bit of rank 2's parameters flips. The replica check at step 10 names

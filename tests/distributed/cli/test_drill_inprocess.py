@@ -16,6 +16,7 @@ def _timeline_adds_up(timeline: dict, mode: str = "inprocess") -> None:
     assert all(t >= 0 for t in split) and sum(split) == pytest.approx(timeline["recovery_total_s"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_two_software_failures_are_recovered_in_place_by_spares(tmp_path, drill_reference):
     report = drill(tmp_path, "--recovery", "inprocess", "--fail", "software", "--at-step", "12", "22")
     assert report["ok"] and report["returncode"] == 0, report["stdout"]
@@ -59,6 +60,7 @@ def test_a_hung_rank_is_left_out_and_replaced(tmp_path, drill_reference):
     assert report["final_digest"] == drill_reference
 
 
+@pytest.mark.slow
 def test_a_failure_during_the_recovery_starts_another_round(tmp_path, drill_reference):
     # node1 is lost with its agent and spare; while the survivors recover, rank 0 dies in its rollback: a second
     # round gives rank 0 to node0's spare, which reads its units from node0's memory, in the same launch.
@@ -73,6 +75,7 @@ def test_a_failure_during_the_recovery_starts_another_round(tmp_path, drill_refe
     assert report["final_digest"] == drill_reference
 
 
+@pytest.mark.slow
 def test_without_a_spare_dp_shrinks_in_place_and_a_dropped_survivor_takes_the_next_lost_rank(tmp_path):
     # Rank 1 dies on node0 and nobody replaces it: replica 0 (node0) is dropped, its survivor (rank 0, the
     # metrics writer) waits as a spare, and node1's ranks go on as ranks 0 and 1 of dp=1. Then that rank 0 dies

@@ -71,7 +71,8 @@ def _run(launcher: str, work, corpus_prefix, iters: int) -> subprocess.Completed
                           env=_env(), cwd=REPO, timeout=200)
 
 
-@pytest.mark.parametrize("launcher", ["megatier-train", "megatier-run", "megatier-launch"])
+@pytest.mark.parametrize("launcher", [pytest.param("megatier-train", marks=pytest.mark.slow), "megatier-run",
+                                      pytest.param("megatier-launch", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_signal_is_a_clean_stop_and_the_relaunch_resumes_bit_exact(tmp_path, corpus_prefix, launcher, sig):
     stopped = _stopped(launcher, tmp_path / "job", corpus_prefix, sig)

@@ -26,6 +26,7 @@ def _run(rank: int, tmp: str, prefix: str, job: str, init_from) -> dict:
     return train_job(tmp, prefix, job, 1, _model(init_from))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_moe_job_continues_through_torch_dist_at_another_layout(corpus_prefix, tmp_path, capsys):
     first = run_world(_run, 1, tmp_path, str(tmp_path), corpus_prefix, "moesrc", None, timeout_s=120)[0]

@@ -103,6 +103,7 @@ def _loads_in_megatron(where: str, overrides: list[str], flat: dict, tmp_path) -
                        flat["decoder.layers.mlp.linear_fc1.weight"][1])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("model,fmt", [("llama_tiny", "torchtitan"), ("tiny", "torch_dist")])
 def test_a_job_recovered_from_tier2_exports_what_its_fault_free_run_does(corpus_prefix, tmp_path, model, fmt):

@@ -60,8 +60,9 @@ def _pair(rank: int, tmp: str, prefix: str, tp: int, sp: bool, recompute: str, p
 
 
 @pytest.mark.parametrize("tp,sp,recompute,parallel,world", [
-    (1, False, "none", {}, 2), (2, True, "full", {}, 4),
-    (1, False, "none", {"overlap_grad_reduce": True, "overlap_param_gather": True, "bucket_mb": 0.02}, 4)],
+    (1, False, "none", {}, 2), pytest.param(2, True, "full", {}, 4, marks=pytest.mark.slow),
+    pytest.param(1, False, "none", {"overlap_grad_reduce": True, "overlap_param_gather": True, "bucket_mb": 0.02}, 4,
+                 marks=pytest.mark.slow)],
     ids=["pp2", "sp-tp2xpp2-recompute", "pp2xdp2-overlap"])
 def test_interleaved_equals_plain_1f1b(corpus_prefix, tmp_path, tp, sp, recompute, parallel, world):
     runs = run_world(_pair, world, tmp_path, str(tmp_path), corpus_prefix, tp, sp, recompute, parallel,
@@ -79,6 +80,7 @@ def test_interleaved_equals_plain_1f1b(corpus_prefix, tmp_path, tp, sp, recomput
     assert all(b >= 0.0 for rank in runs for b in rank[1]["bubbles"])
 
 
+@pytest.mark.slow
 def test_interleaved_moe_equals_plain_1f1b(corpus_prefix, tmp_path):
     """Each model chunk backpropagates its own MoE layer's router losses: every layer gets the gradient it gets in
     plain 1F1B, so the weights are equal bit for bit. The step's reported loss is the float32 sum of the stages'

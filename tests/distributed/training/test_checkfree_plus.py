@@ -61,7 +61,7 @@ def _train(rank: int, tmp: str, order: str, arch: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ["gpt2", pytest.param("llama", marks=pytest.mark.slow)])
 def test_replicas_stay_bitwise_equal_to_their_sources(corpus_prefix, tmp_path, arch):
     (tmp_path / "corpus.txt").write_text(corpus_prefix)
     results = run_world(_train, 4, tmp_path, str(tmp_path), "checkfree_plus", arch, timeout_s=120)
@@ -138,7 +138,8 @@ EXACT = {("gpt2", 0): {"word.weight", "pos.weight"}, ("gpt2", 3): {"word.weight"
          ("llama", 0): {"word.weight"}, ("llama", 3): {"final_norm.weight", "head_weight"}}
 
 
-@pytest.mark.parametrize("arch,lost", list(EXACT))
+@pytest.mark.parametrize("arch,lost", [case if case == ("gpt2", 0) else pytest.param(*case, marks=pytest.mark.slow)
+                                       for case in EXACT])
 def test_a_lost_end_stage_is_rebuilt_from_its_stand_in(corpus_prefix, tmp_path, arch, lost):
     (tmp_path / "corpus.txt").write_text(corpus_prefix)
     tmp = str(tmp_path)

@@ -52,7 +52,7 @@ def _train(rank: int, tmp: str, prefix: str, ep: int, tp: int, recompute: str) -
     return out
 
 
-@pytest.mark.parametrize("tp,recompute", [(1, "none"), (2, "full")])
+@pytest.mark.parametrize("tp,recompute", [(1, "none"), pytest.param(2, "full", marks=pytest.mark.slow)])
 def test_ep2_trains_bitwise_as_ep1(tp, recompute, corpus_prefix, tmp_path):
     """tp=2 adds sequence parallelism (the experts' tokens gathered over tp first) and full recomputation (each
     block's all-to-alls run again in the backward)."""
@@ -104,6 +104,7 @@ def test_an_ep2_checkpoint_restores_at_ep1_on_two_ranks_and_on_one(corpus_prefix
         assert restored == [(STEPS, written[0]["digest"])] * world, world
 
 
+@pytest.mark.slow
 def test_an_ep2_job_exports_a_mixtral_transformers_computes(ep2_job, capsys):
     """megatier-convert export gathers both ranks' experts by canonical name: transformers' logits equal the ep=2
     job's own (computed with the experts on two ranks) within 1e-4, and the export's digest is the job's."""
@@ -121,6 +122,7 @@ def test_an_ep2_job_exports_a_mixtral_transformers_computes(ep2_job, capsys):
         assert (r["logits"][..., :want.shape[-1]] - want).abs().max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_an_ep1_checkpoint_restores_at_ep2(corpus_prefix, tmp_path):
     tmp = str(tmp_path)
     written = run_world(_write, 2, tmp_path, tmp, corpus_prefix, 1, 2, timeout_s=180)
@@ -128,6 +130,7 @@ def test_an_ep1_checkpoint_restores_at_ep2(corpus_prefix, tmp_path):
     assert restored == [(STEPS, written[0]["digest"])] * 2
 
 
+@pytest.mark.slow
 def test_an_ep4_checkpoint_of_four_ranks_restores_at_ep2_on_two(corpus_prefix, tmp_path):
     """ep=4 x dp=4 (one expert a rank) to ep=2 x dp=2 (two a rank): the resharding restore regroups the experts
     by canonical name and the state keeps the writing job's digest. One sample a micro-batch, so 4 samples fill

@@ -44,6 +44,7 @@ def test_a_slow_rank_shows_as_its_peer_s_dp_wait(corpus_prefix, tmp_path):
     assert fast["pp_bubble_ms"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_slow_last_stage_shows_as_the_first_stage_s_bubble(corpus_prefix, tmp_path):
     first, _ = run_world(_slowed, 2, tmp_path, str(tmp_path), corpus_prefix, 2)
     assert first["pp_bubble_ms"] >= 0.5 * DELAY_S * 1000

@@ -197,7 +197,10 @@ def test_single_process_consumes_the_clipped_mean_gradient(baseline):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: "tp{}-pp{}-dp{}".format(*lay))
+# Each degree alone and all three together in `make test`; the pairs in `make test-slow`.
+@pytest.mark.parametrize("layout", [lay if lay.count(1) != 1 else pytest.param(lay, marks=pytest.mark.slow)
+                                    for lay in LAYOUTS],
+                         ids=lambda lay: "tp{}-pp{}-dp{}".format(*lay))
 def test_layout_matches_single_process(layout, baseline, corpus_prefix, tmp_path):
     results = _run(layout, corpus_prefix, tmp_path)
     (base,) = baseline

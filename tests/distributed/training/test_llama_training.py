@@ -44,7 +44,7 @@ def _reference(hf_dir: str, batches, cfg) -> list[float]:
                         lambda m, x, y: torch.nn.functional.cross_entropy(m(x).logits.flatten(0, 1), y.flatten()))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_llama_trains_as_hugging_face_with_adamw(tp, corpus_prefix, tmp_path):
     cfg = ModelConfig(**MODEL)
     save_random_llama(str(tmp_path / "hf"), cfg, VOCAB)

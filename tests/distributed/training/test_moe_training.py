@@ -52,7 +52,7 @@ def _reference(hf_dir: str, batches, cfg) -> list[float]:
     return adamw_losses(model, batches, cfg.optim, loss_of)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_moe_trains_as_hugging_face_mixtral_with_adamw(tp, corpus_prefix, tmp_path):
     cfg = ModelConfig(**MODEL)
     save_random_mixtral(str(tmp_path / "hf"), cfg, VOCAB)

@@ -67,9 +67,11 @@ def _assert_bitwise(runs: list[list[dict]], a: int, b: int) -> None:
             assert torch.equal(x[key], y[key]), key
 
 
-@pytest.mark.parametrize("tp,pp,sp,world", [(1, 1, False, 2), (1, 1, False, 4), (2, 1, False, 4),
-                                            (1, 2, False, 4), (2, 1, True, 4)],
-                         ids=["dp2", "dp4", "tp2xdp2", "pp2xdp2", "sp-tp2xdp2"])
+@pytest.mark.parametrize("tp,pp,sp,world", [pytest.param(1, 1, False, 2, id="dp2"),
+                                            pytest.param(1, 1, False, 4, id="dp4"),
+                                            pytest.param(2, 1, False, 4, id="tp2xdp2", marks=pytest.mark.slow),
+                                            pytest.param(1, 2, False, 4, id="pp2xdp2"),
+                                            pytest.param(2, 1, True, 4, id="sp-tp2xdp2", marks=pytest.mark.slow)])
 def test_overlapped_equals_plain(corpus_prefix, tmp_path, tp, pp, sp, world):
     runs = run_world(_pair, world, tmp_path, str(tmp_path), corpus_prefix, tp, pp, sp, [PLAIN, OVERLAPPED],
                      timeout_s=170)
@@ -77,12 +79,14 @@ def test_overlapped_equals_plain(corpus_prefix, tmp_path, tp, pp, sp, world):
     _assert_bitwise(runs, 0, 1)
 
 
+@pytest.mark.slow
 def test_the_overlapped_gather_alone_equals_plain_at_dp4(corpus_prefix, tmp_path):
     runs = run_world(_pair, 4, tmp_path, str(tmp_path), corpus_prefix, 1, 1, False, [PLAIN, GATHER_ONLY],
                      timeout_s=170)
     _assert_bitwise(runs, 0, 1)
 
 
+@pytest.mark.slow
 def test_overlapped_equals_plain_with_routed_experts(corpus_prefix, tmp_path):
     """A mixture of experts at dp=2: the experts' region has buckets of its own, reduced after backward (over the
     expert-data-parallel group, here the dp group) and gathered like the dense region's."""

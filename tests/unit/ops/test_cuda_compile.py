@@ -1,5 +1,6 @@
 """The CUDA build of megatier._C compiles without a GPU (tools/cuda_compile.py), whenever the CUDA compiler
-packages are installed in build/cuda-toolchain (.ci/run installs them: `python -m tools.cuda_compile install`)."""
+packages are installed in build/cuda-toolchain (`make test-slow` installs them with `python -m tools.cuda_compile
+install`)."""
 from __future__ import annotations
 
 import pytest
@@ -23,6 +24,7 @@ def cuda_build(tmp_path_factory):
     return compile_cuda_build(DEFAULT_TOOLCHAIN, tmp_path_factory.mktemp("cuda_build"), jobs=1)
 
 
+@pytest.mark.slow
 @needs_toolchain
 @pytest.mark.timeout(900)
 def test_cuda_build_compiles_and_defines_every_megatier_symbol(cuda_build):
@@ -34,6 +36,7 @@ def test_cuda_build_compiles_and_defines_every_megatier_symbol(cuda_build):
     assert not [w for w in cuda_build.warnings if "megatier/csrc" in w.split(":\n", 1)[1]], cuda_build.warnings
 
 
+@pytest.mark.slow
 @needs_toolchain
 @pytest.mark.timeout(900)
 def test_the_link_check_names_kernels_nothing_defines(cuda_build, tmp_path):

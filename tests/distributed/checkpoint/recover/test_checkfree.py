@@ -101,7 +101,8 @@ def _lose_stage(tmp: str, ranks: list[int]) -> None:
             os.remove(path)
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.timeout(240)) if c == "pp4v2" else c
+@pytest.mark.parametrize("case", [c if c == "dp2" else
+                                  pytest.param(c, marks=[pytest.mark.slow, pytest.mark.timeout(240)])
                                   for c in sorted(CASES)])
 def test_a_lost_intermediate_stage_is_rebuilt_from_its_neighbours(case, corpus_prefix, tmp_path):
     degrees, lost, v = CASES[case]

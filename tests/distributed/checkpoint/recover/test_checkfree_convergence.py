@@ -78,6 +78,7 @@ def losses_after_loss(tmp_path: Path, seed: int) -> dict[str, tuple[float, float
     return losses
 
 
+@pytest.mark.slow
 def test_the_weighted_average_is_the_best_rebuild(tmp_path):
     prefix = str(tmp_path / "stdlib_8mib")
     build_dataset(stdlib_files(8 * 2**20), prefix, tokenizer="byte")

@@ -101,7 +101,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [c if c == "tier2" else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in sorted(CASES)])
 def test_resharded_restore_resumes_the_old_layouts_state(case, corpus_prefix, tmp_path):
     old, old_per_node, new, new_per_node, fails = CASES[case]
     (tmp_path / "corpus.txt").write_text(corpus_prefix)
@@ -133,6 +134,7 @@ def test_resharded_restore_resumes_the_old_layouts_state(case, corpus_prefix, tm
     torch.testing.assert_close(losses, want, rtol=1e-5, atol=0.0)
 
 
+@pytest.mark.slow
 def test_a_llama_job_reshards_tp2_dp2_to_tp1_dp2_with_the_same_canonical_digest(corpus_prefix, tmp_path):
     """model.arch=llama: the stacked k/v and gate/up weights and the untied head reshard like any parameter."""
     (tmp_path / "corpus.txt").write_text(corpus_prefix)
