@@ -3,7 +3,8 @@
     python -m tools.cuda_compile install         # pip-install the CUDA compiler into build/cuda-toolchain
     python -m tools.cuda_compile check           # compile the CUDA build with it (both: install check)
 
-``tests/unit/ops/test_cuda_compile.py`` runs the check whenever the toolchain is installed; ``make test-slow`` installs it.
+``tests/unit/ops/test_cuda_compile.py`` runs the check whenever the toolchain is installed;
+``make test-slow`` installs it.
 
 What it compiles, with the flags ``setup.py`` gives a CUDA build (its ``CXX_FLAGS`` and ``NVCC_FLAGS``, read from
 the file, plus what torch's ``BuildExtension`` adds: ``COMMON_NVCC_FLAGS``, ``-std=c++20``, ``-fPIC``, the

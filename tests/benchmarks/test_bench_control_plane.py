@@ -9,7 +9,6 @@ from benchmarks.bench_control_plane import World, main, parse_args, run
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.slow
 def test_a_node_lost_in_1k_ranks_recovers_and_the_node_summaries_decide_in_o_nodes(capsys):
     rows = main(["--ranks", "512,1024"])
     small, big = rows

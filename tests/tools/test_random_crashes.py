@@ -13,7 +13,6 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.slow
 def test_two_seeded_cases_recover_in_place_bit_identically(tmp_path):
     cmd = [sys.executable, str(REPO / "tools" / "chaos" / "random_crashes.py"), "--cases", "2", "--seed", "9",
            "--work-dir", str(tmp_path / "work")]

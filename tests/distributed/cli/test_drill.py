@@ -208,7 +208,6 @@ def test_llama_recovers_bit_identical(tmp_path, llama_reference, fail):
     assert report["final_digest"] == llama_reference
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("fail", ["software", "node"])
 def test_an_ep2_moe_job_recovers_bit_identical(tmp_path, moe_reference, fail):
@@ -386,7 +385,6 @@ def loaded_machine():
         proc.wait()
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("fail, most", [("software", 1), ("node", 2)])
 def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_reference, loaded_machine, fail, most):
@@ -397,7 +395,6 @@ def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_referenc
     assert report["final_digest"] == drill_reference
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_a_flipped_parameter_replica_is_named_healed_and_its_base_never_committed(tmp_path):
     """dp=3: after step 10's all-gather one bit of rank 2's parameters flips. The replica check at step 10 names

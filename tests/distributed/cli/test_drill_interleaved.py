@@ -14,7 +14,6 @@ INTERLEAVED = ["model=tiny", "model.num_layers=4", "parallel.pp=2", "parallel.vi
                "parallel.timeout_s=30"]
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_interleaved_job_recovers_bit_identical(tmp_path, tmp_path_factory):
     reference = fault_free_digest(tmp_path_factory, "interleaved_ref", INTERLEAVED, procs=1)

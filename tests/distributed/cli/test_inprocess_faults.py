@@ -45,10 +45,9 @@ def assert_recovered_exactly(run: dict, reference: str) -> None:
     assert run["digest"] == reference, run["output"][-4000:]
 
 
-@pytest.mark.parametrize("second", [pytest.param("replay.mid_batch:0:2", id="replay", marks=pytest.mark.slow),
+@pytest.mark.parametrize("second", [pytest.param("replay.mid_batch:0:2", id="replay"),
                                     pytest.param("recover.consensus:1:3", id="consensus"),
-                                    pytest.param("train.step_begin:14:2", id="first-step-after",
-                                                 marks=pytest.mark.slow)])
+                                    pytest.param("train.step_begin:14:2", id="first-step-after")])
 def test_a_second_failure_during_the_recovery_starts_another_round(tmp_path, drill_reference, second):
     # Rank 1 dies after step 12; while the job recovers, another rank dies too: a spare takes each.
     run = launch(tmp_path, f"train.step_end:12:1,{second}")
@@ -60,7 +59,7 @@ def test_a_second_failure_during_the_recovery_starts_another_round(tmp_path, dri
 
 
 @pytest.mark.parametrize("crash", [pytest.param("t3.after_commit_before_watermark:29:0", id="rank0-commit"),
-                                   pytest.param("t3.before_marker:29:3", id="rank3-marker", marks=pytest.mark.slow)])
+                                   pytest.param("t3.before_marker:29:3", id="rank3-marker")])
 def test_a_failure_while_the_job_closes_is_recovered_in_place(tmp_path, drill_reference, crash):
     run = launch(tmp_path, crash)
     assert_recovered_exactly(run, drill_reference)
@@ -86,7 +85,6 @@ def test_a_lost_machine_takes_its_agent_ranks_and_spare_and_the_spare_node_repla
     assert 19 - rec["end"] <= 2 and rec["rank_tiers"][2:] == [["tier2"], ["tier2"]], rec
 
 
-@pytest.mark.slow
 def test_a_lost_machine_without_a_spare_elsewhere_shrinks_dp_and_finishes(tmp_path):
     run = launch(tmp_path, "train.step_end:19:2:node", spares=0, spare_nodes=0)
     assert run["status"] == 0 and "Traceback" not in run["output"], run["output"][-4000:]

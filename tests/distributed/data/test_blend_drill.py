@@ -10,7 +10,6 @@ from tests.distributed.cli.test_drill import drill
 pytestmark = pytest.mark.timeout(600)
 
 
-@pytest.mark.slow
 def test_a_node_lost_on_a_blend_job_recovers_bit_identically(tmp_path, blend):
     overrides = ["model=tiny", "parallel.tp=2", "train.iters=30", "train.micro_batch_size=2",
                  "train.global_batch_size=4", "data.seq_len=64", "checkpoint.base_interval=20",

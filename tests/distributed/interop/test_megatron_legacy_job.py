@@ -39,7 +39,6 @@ def _rows(batches: list) -> list[tuple]:
     return sorted(tuple(x.tolist()) + tuple(y.tolist()) for xs, ys in batches for x, y in zip(xs, ys))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_job_continues_through_megatron_legacy_at_another_layout(corpus_prefix, tmp_path):
     first = run_world(_run, 1, tmp_path, str(tmp_path), corpus_prefix, "mlsrc", None, timeout_s=120)[0]

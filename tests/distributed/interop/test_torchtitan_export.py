@@ -34,7 +34,6 @@ def _run(rank: int, tmp: str, prefix: str, iters: int) -> dict:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_megatier_job_continues_in_torchtitan_with_the_same_loss(corpus_prefix, tmp_path, capsys):
     run_world(_run, 1, tmp_path, str(tmp_path), corpus_prefix, 3, timeout_s=120)

@@ -104,7 +104,6 @@ def test_an_ep2_checkpoint_restores_at_ep1_on_two_ranks_and_on_one(corpus_prefix
         assert restored == [(STEPS, written[0]["digest"])] * world, world
 
 
-@pytest.mark.slow
 def test_an_ep2_job_exports_a_mixtral_transformers_computes(ep2_job, capsys):
     """megatier-convert export gathers both ranks' experts by canonical name: transformers' logits equal the ep=2
     job's own (computed with the experts on two ranks) within 1e-4, and the export's digest is the job's."""

@@ -71,7 +71,7 @@ def _assert_bitwise(runs: list[list[dict]], a: int, b: int) -> None:
                                             pytest.param(1, 1, False, 4, id="dp4"),
                                             pytest.param(2, 1, False, 4, id="tp2xdp2", marks=pytest.mark.slow),
                                             pytest.param(1, 2, False, 4, id="pp2xdp2"),
-                                            pytest.param(2, 1, True, 4, id="sp-tp2xdp2", marks=pytest.mark.slow)])
+                                            pytest.param(2, 1, True, 4, id="sp-tp2xdp2")])
 def test_overlapped_equals_plain(corpus_prefix, tmp_path, tp, pp, sp, world):
     runs = run_world(_pair, world, tmp_path, str(tmp_path), corpus_prefix, tp, pp, sp, [PLAIN, OVERLAPPED],
                      timeout_s=170)

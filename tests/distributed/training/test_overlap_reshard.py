@@ -35,7 +35,6 @@ def _run(rank: int, tmp: str, prefix: str, run: str, iters: int, parallel: dict)
     return out
 
 
-@pytest.mark.slow
 def test_overlapped_and_plain_layouts_reshard_into_each_other(corpus_prefix, tmp_path):
     tmp = str(tmp_path)
     first = run_world(_run, 2, tmp_path, tmp, corpus_prefix, "first", 8, OVERLAPPED, timeout_s=180)[0]

@@ -33,7 +33,6 @@ def _run(rank: int, tmp: str, prefix: str, run: str, v: int, iters: int) -> dict
     return out
 
 
-@pytest.mark.slow
 def test_interleaved_checkpoint_reshards_to_plain_pp_and_back(corpus_prefix, tmp_path):
     tmp = str(tmp_path)
     first = run_world(_run, 2, tmp_path, tmp, corpus_prefix, "v2", 2, 8, timeout_s=60)
