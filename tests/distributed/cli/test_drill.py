@@ -138,8 +138,9 @@ def points_reference(tmp_path_factory) -> str:
 
 # ---- the three classes, lossless, bit-identical ------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["tiny", pytest.param("llama_tiny", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["tiny", "llama_tiny"])
 def test_stage_failure_is_rebuilt_by_checkfree(tmp_path, model):
     """Stage 2 of 4 dies at step 12 and loses every copy (Tier-1, its replicas, its Tier-3 objects); the relaunch
     rebuilds it from stages 1 and 3 with CheckFree, loses no step, and says the result is not exact."""
@@ -222,6 +223,7 @@ def test_an_ep2_moe_job_recovers_bit_identical(tmp_path, moe_reference, fail):
     assert report["final_digest"] == moe_reference
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rack_failure_recovers_from_tier3(tmp_path, drill_reference):
     """With a base every 10 steps and checkpoint.remote.base_every=2, node memory had bases 0 and 10 and Tier-3
@@ -288,7 +290,7 @@ def test_adaptive_compression_with_a_failure_every_100_steps_ends_within_1pct(tm
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("nodes,procs,tp,batch", [pytest.param(3, 1, 1, 12, id="3x1-to-2x1"),
+@pytest.mark.parametrize("nodes,procs,tp,batch", [pytest.param(3, 1, 1, 12, id="3x1-to-2x1", marks=pytest.mark.slow),
                                                    pytest.param(2, 2, 2, 4, id="2x2-to-1x2", marks=pytest.mark.slow)])
 def test_node_lost_without_a_spare_carries_on_resharded(tmp_path, nodes, procs, tp, batch):
     """Elastic continuation: the job relaunches on the survivors with a smaller dp; the lost node's ranks come
@@ -386,7 +388,7 @@ def loaded_machine():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("fail, most", [("software", 1), ("node", 2)])
+@pytest.mark.parametrize("fail, most", [pytest.param("software", 1, marks=pytest.mark.slow), ("node", 2)])
 def test_the_steps_lost_bound_holds_on_a_loaded_machine(tmp_path, drill_reference, loaded_machine, fail, most):
     report = drill(tmp_path, "--fail", fail, "--at-step", "17")
     assert report["ok"], report["stdout"]

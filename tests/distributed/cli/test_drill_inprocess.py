@@ -33,6 +33,7 @@ def test_two_software_failures_are_recovered_in_place_by_spares(tmp_path, drill_
     assert report["final_digest"] == drill_reference
 
 
+@pytest.mark.slow
 def test_a_node_of_spares_replaces_a_lost_node_from_tier2(tmp_path, drill_reference):
     report = drill(tmp_path, "--recovery", "inprocess", "--fail", "node", "--at-step", "19")
     assert report["ok"] and report["returncode"] == 0, report["stdout"]

@@ -68,6 +68,7 @@ def test_a_failure_while_the_job_closes_is_recovered_in_place(tmp_path, drill_re
 
 @pytest.mark.parametrize("crash", [pytest.param("launch.first_world:0:1", id="rank", marks=pytest.mark.slow),
                                    pytest.param("launch.first_world:0:2:node", id="node")])
+@pytest.mark.slow
 def test_a_rank_lost_before_the_first_world_forms_is_replaced_in_place(tmp_path, drill_reference, crash):
     # Before any step: the others stop waiting for it (its agent's report, or its node's lease), a spare takes
     # its rank, and the job trains from the start as if nothing happened.

@@ -73,7 +73,8 @@ def _run(launcher: str, work, corpus_prefix, iters: int) -> subprocess.Completed
 
 @pytest.mark.parametrize("launcher", [pytest.param("megatier-train", marks=pytest.mark.slow), "megatier-run",
                                       pytest.param("megatier-launch", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGINT, id="ctrl-c"),
+                                 pytest.param(signal.SIGTERM, id="sigterm", marks=pytest.mark.slow)])
 def test_a_signal_is_a_clean_stop_and_the_relaunch_resumes_bit_exact(tmp_path, corpus_prefix, launcher, sig):
     stopped = _stopped(launcher, tmp_path / "job", corpus_prefix, sig)
     assert stopped.returncode == STATUS[sig], stopped.stderr[-3000:]

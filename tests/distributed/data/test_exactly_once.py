@@ -36,7 +36,7 @@ def launch(work: Path, log: Path, nodes: int, procs: int, *overrides: str, crash
     return proc
 
 
-@pytest.mark.parametrize("data", ["prefix", "blend"])
+@pytest.mark.parametrize("data", ["prefix", pytest.param("blend", marks=pytest.mark.slow)])
 def test_every_sample_is_trained_once_in_order_through_stops_shrinks_and_reshards(tmp_path, request, data):
     data_args = request.getfixturevalue("blend") if data == "blend" else []
     reference = tmp_path / "reference_samples"

@@ -17,6 +17,7 @@ def overlapped_reference(tmp_path_factory) -> str:
     return fault_free_digest(tmp_path_factory, "overlap_ref", OVERLAPPED)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_software_failure_with_overlap_recovers_bit_identical(tmp_path, overlapped_reference):
     report = drill(tmp_path, "--fail", "software", "--at-step", "16", overrides=OVERLAPPED)
