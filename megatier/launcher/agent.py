@@ -146,8 +146,10 @@ class NodeAgent:
             member, rank = f"{self.node}/{local}", self.node_rank * self.procs + local
             first.publish_holder(rank, member)  # before the process exists: its death is a known rank's
             self.children.append(Child(member, self._spawn(command, self._env(member, rank, local)), rank=rank))
+            self._beat()  # a start slowed by load must not let the node's lease run out before the first world
         for _ in range(self.spares):
             self._start_spare()
+            self._beat()
 
     def _start_spare(self) -> None:
         member = f"{self.node}/spare{self._spares_started}"
