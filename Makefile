@@ -37,8 +37,8 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# `make test` is the suite CI runs (~30 min on 2 cores); `make test-slow` the long drills and the further cases of
-# parametrized tests (marked slow, ~80 min), with the CUDA compiler packages its compile check needs.
+# `make test` is the suite CI runs (~55 min on 2 cores); `make test-slow` the long drills and the further cases of
+# parametrized tests (marked slow), with the CUDA compiler packages its compile check needs.
 test: lint
 	$(PY) -m pytest -n 2 -m "not slow" --durations=25 tests
 
