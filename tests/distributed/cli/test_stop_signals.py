@@ -94,14 +94,16 @@ def test_a_signal_is_a_clean_stop_and_the_relaunch_resumes_bit_exact(tmp_path, c
 
 def test_exit_duration_under_megatier_run_stops_every_rank_after_the_same_step(tmp_path, corpus_prefix):
     # Rank 0 alone reads the clock; were the ranks to stop after different steps, the job would hang or crash.
-    args = [*_args(tmp_path / "job", corpus_prefix, 100000), "train.exit_duration_in_mins=0.4"]
+    # The clock starts with the launch, as Megatron's does, so on a loaded box the start-up can take most of it:
+    # one step trained before the limit is enough to show the ranks agree.
+    args = [*_args(tmp_path / "job", corpus_prefix, 100000), "train.exit_duration_in_mins=0.5"]
     proc = subprocess.run(_command("megatier-run", args), capture_output=True, text=True, env=_env(), cwd=REPO,
                           timeout=200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = _records(tmp_path / "job")[-1]
     step = summary["step"]
-    assert summary["event"] == "summary" and summary["checkpoint_saved_step"] == step and step > 1
-    assert proc.stderr.count(f"stopped by train.exit_duration_in_mins=0.4 at step {step}; relaunch the same "
+    assert summary["event"] == "summary" and summary["checkpoint_saved_step"] == step and step >= 1
+    assert proc.stderr.count(f"stopped by train.exit_duration_in_mins=0.5 at step {step}; relaunch the same "
                              f"command to resume from step {step}") == 1, proc.stderr[-3000:]
     again = _run("megatier-run", tmp_path / "job", corpus_prefix, step + 1)
     assert again.returncode == 0, again.stderr[-3000:]

