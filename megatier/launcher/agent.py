@@ -29,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -124,7 +125,6 @@ class NodeAgent:
         self.store: Optional[dist.TCPStore] = None
         self.prefix = run_prefix(run_id)
         self._read_rounds = 0  # decided rounds this agent has acted on
-        self._beaten = 0.0  # when this agent last beat (its node's lease: megatier.parallel.membership)
         self.watchdog = Watchdog(hang_timeout_s)
 
     def _env(self, member: str, rank: Optional[int], local: int) -> dict:
@@ -144,17 +144,15 @@ class NodeAgent:
 
     def start(self) -> None:
         self.store = connect_store(self.address)
-        self._beat()
+        self._start_beating()
         command = [sys.executable, *self.script_args]
         first = MembershipRound(self.store, 0, self.prefix)
         for local in range(self.procs):
             member, rank = f"{self.node}/{local}", self.node_rank * self.procs + local
             first.publish_holder(rank, member)  # before the process exists: its death is a known rank's
             self.children.append(self._spawn(member, command, self._env(member, rank, local), rank))
-            self._beat()  # a start slowed by load must not let the node's lease run out before the first world
         for _ in range(self.spares):
             self._start_spare()
-            self._beat()
 
     def _start_spare(self) -> None:
         member = f"{self.node}/spare{self._spares_started}"
@@ -170,16 +168,26 @@ class NodeAgent:
             os.close(fd)  # the process holds the write end now; the pipe closes with it
         return Child(member, process, rank=rank, beats=beats)
 
-    def _beat(self) -> None:
-        """Renew this node's lease: the rounds count a node whose agent stopped beating as lost."""
-        if time.monotonic() - self._beaten >= BEAT_S:
-            beat(self.store, self.prefix, self.node)
-            self._beaten = time.monotonic()
+    def _start_beating(self) -> None:
+        """Renew this node's lease every BEAT_S from a thread of its own, on a store connection of its own: the
+        rounds count a node whose agent stopped beating as lost, so the beat must not wait on whatever the
+        agent is doing (starting processes under load, waiting for a round at the end)."""
+        store = connect_store(self.address)
+
+        def beat_forever() -> None:
+            try:
+                while True:
+                    beat(store, self.prefix, self.node)
+                    time.sleep(BEAT_S)
+            except (RuntimeError, OSError):  # the store is gone (the launch ended, or its host): nobody to tell
+                pass
+
+        beat(store, self.prefix, self.node)
+        threading.Thread(target=beat_forever, name="megatier-agent-beat", daemon=True).start()
 
     def poll(self) -> bool:
         """Report the processes that failed since the last call, stop those a new round left out; True while
         any process runs."""
-        self._beat()
         self._kill_frozen()
         for child in self.children:
             code = child.process.poll()
