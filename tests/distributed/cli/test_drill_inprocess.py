@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.cli.test_drill import DRILL, drill
+from tests.distributed.cli.test_drill import drill
 
 pytestmark = pytest.mark.timeout(420)
 

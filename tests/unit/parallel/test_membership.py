@@ -9,8 +9,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatier.parallel.assignment import Member
 from megatier.parallel import membership
+from megatier.parallel.assignment import Member
 from megatier.parallel.membership import MembershipRound
 
 WORLD = [Member(f"node{n}/{i}", f"node{n}") for n in range(2) for i in range(2)]  # tp=2 x dp=2
