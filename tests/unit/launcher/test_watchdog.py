@@ -28,7 +28,7 @@ time.sleep(float(sys.argv[2]))
 """
 
 
-def _agent(tmp_path, store, hang_timeout_s: float, wait_s: float = 8.0) -> NodeAgent:
+def _agent(tmp_path, store, hang_timeout_s: float, wait_s: float = 15.0) -> NodeAgent:
     return NodeAgent(["-c", SCRIPT, str(tmp_path), str(wait_s)], node="node0", node_rank=0, nodes=1, procs=2,
                      spares=1, store=f"127.0.0.1:{store.port}", run_id="t", hang_timeout_s=hang_timeout_s)
 
@@ -39,7 +39,7 @@ def _child(agent: NodeAgent, member: str):
 
 def test_a_frozen_process_is_killed_and_reported_dead_and_a_waiting_one_is_left_alone(tmp_path):
     store = serve_store(0)
-    agent = _agent(tmp_path, store, hang_timeout_s=2.0)
+    agent = _agent(tmp_path, store, hang_timeout_s=4.0)  # a loaded box delays a beat by a second, not four
     agent.start()
     frozen = _child(agent, "node0/1")
     deadline = time.monotonic() + 40
