@@ -56,22 +56,14 @@ class NodeLeases:
     """The node agents' leases, as one decider sees them: a node whose beat counter stood still for ``lease_s``
     is lost, with every process on it. A node without a counter (no agent beats for it: processes started by
     another launcher) is never judged lost this way; its processes' deaths come from their reports or the
-    round's deadline.
-
-    The lease runs only while the decider watched: one that did not look for half a lease (a loaded machine
-    stalls the agents and the decider alike) restarts every node's clock when it looks again. Callers look
-    every quarter second, so only a stall restarts them."""
+    round's deadline."""
 
     def __init__(self, store: dist.Store, prefix: str, lease_s: float):
         self.store, self.prefix, self.lease_s = store, prefix, lease_s
         self._seen: dict[str, tuple[int, float]] = {}  # node -> (its count, since when)
-        self._looked: Optional[float] = None
 
     def expired(self, nodes: set[str]) -> set[str]:
         now, out = time.monotonic(), set()
-        if self._looked is not None and now - self._looked > self.lease_s / 2:
-            self._seen = {node: (count, now) for node, (count, _) in self._seen.items()}
-        self._looked = now
         for node in sorted(nodes):
             count = self.store.add(f"{self.prefix}/beat/{node}", 0)
             last = self._seen.get(node)
