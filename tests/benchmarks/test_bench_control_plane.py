@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.bench_control_plane import World, main, parse_args, run
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # 165 s on a quiet 2-core box; CI shares its cores
 
 
 def test_a_node_lost_in_1k_ranks_recovers_and_the_node_summaries_decide_in_o_nodes(capsys):

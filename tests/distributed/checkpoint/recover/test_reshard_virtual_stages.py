@@ -17,7 +17,7 @@ from megatier.training.trainer import Trainer
 from tests.distributed.configs import tiny_job
 from tests.distributed.world import run_world
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(240)  # three worlds in a row, on a loaded box
 JOB = "chunksjob"
 
 
