@@ -170,8 +170,10 @@ class Storm:
         while len(self.faults) < self.wanted:
             if self.done.wait(self.rng.uniform(0.5, 1.5) * self.interval_s):
                 return
-            while self.watcher.step <= self._launch_step:  # a failure before a launch's world formed is the
-                if self.done.wait(0.5):                    # launch's own, not a recovery's
+            # A failure before a launch's world formed is the launch's own, not a recovery's; and a strike between
+            # rounds, when no member of the world is alive yet, would strike nobody: wait for one.
+            while self.watcher.step <= self._launch_step or not self._live():
+                if self.done.wait(0.5):
                     return
             step = self.watcher.step
             if step >= self.iters - 2:
@@ -183,15 +185,19 @@ class Storm:
             print(f"storm: fault {fault.index} {kind} on {fault.member} ({fault.node}) at step {step}"
                   f"{' ' + '; '.join(fault.notes) if fault.notes else ''}", file=sys.stderr, flush=True)
 
-    def _target(self, fault: Fault) -> Optional[int]:
+    def _live(self) -> dict[str, int]:
+        """The current world's members that have a live process, with their pids."""
         pids = _pids_of(self.cluster)
-        live = [m for m in _holders(self.cluster) if m in pids]
-        if not live:
+        return {m: pids[m] for m in _holders(self.cluster) if m in pids}
+
+    def _target(self, fault: Fault) -> Optional[int]:
+        live = self._live()
+        if not live:  # every one died since the strike was drawn
             fault.notes.append("no live rank to strike")
             return None
-        fault.member = self.rng.choice(live)
+        fault.member = self.rng.choice(list(live))
         fault.node = fault.member.split("/")[0]
-        return pids[fault.member]
+        return live[fault.member]
 
     def _process(self, fault: Fault) -> None:
         pid = self._target(fault)
