@@ -14,7 +14,6 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from megatier.config import ConfigError, compose_config
-from megatier.launcher.watchdog import start_beating
 from megatier.training import console, inprocess, outcome
 from megatier.training.interrupt import StopRequest
 from megatier.training.outcome import is_rank0, say
@@ -43,7 +42,6 @@ def cli() -> None:
 def run(overrides: list[str]) -> int:
     """Train the job of ``overrides`` on this process; its exit status."""
     console.set_up()
-    start_beating()  # for the agent's hang watchdog, when an agent started this process
     stop = StopRequest(announce=is_rank0() and not inprocess.is_spare()).install()  # a waiting spare has no rank
     trainer = cfg = None
     try:

@@ -8,8 +8,6 @@ This agent (``megatier-agent``, one per node) instead
   launch's run id (:mod:`megatier.training.inprocess`); their process groups rendezvous on that store;
 * reports each process that exits with a failure as dead to the membership round, so the survivors' round
   does not wait for it, and leaves every other process running;
-* kills a process that stopped beating for ``hang_timeout_s`` (a frozen one: :mod:`megatier.launcher.watchdog`),
-  so its peers and the round go on at once instead of after the collective's timeout;
 * kills a process that a round left out of the re-formed job without its having exited (a hung rank: the
   round went on without it after ``recovery.round_timeout_s``), so it never comes back as a second holder;
 * with ``respawn``, starts a new hot spare (``<node>/spare<k>``, the next k) in place of each process that
@@ -36,7 +34,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from megatier.launcher.watchdog import DEFAULT_HANG_TIMEOUT_S, Beats, Watchdog
 from megatier.parallel.membership import BEAT_S, PREFIX, MembershipRound, beat
 
 ENV_STORE = "MEGATIER_MEMBERSHIP_STORE"  # host:port of the membership store
@@ -88,7 +85,6 @@ class Child:
     reported: Optional[int] = None  # rounds decided when its death was reported (None: not dead)
     replaced: bool = False  # a new spare was started in its place (respawn)
     rank: Optional[int] = None  # its rank in the current world (as far as this agent has read the rounds)
-    beats: Optional[Beats] = None  # its hang watchdog's pipe (None: not watched)
 
     @property
     def holds_rank(self) -> bool:
@@ -113,7 +109,7 @@ class NodeAgent:
     """The agent of node ``node`` (see the module docstring)."""
 
     def __init__(self, script_args: list[str], *, node: str, node_rank: int, nodes: int, procs: int, spares: int,
-                 store: str, run_id: str, respawn: bool = False, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S):
+                 store: str, run_id: str, respawn: bool = False):
         if procs < 0 or spares < 0 or procs + spares < 1:
             raise ValueError(f"--nproc-per-node {procs} and --spares-per-node {spares}: start at least one process")
         self.script_args, self.node, self.node_rank = script_args, node, node_rank
@@ -125,7 +121,6 @@ class NodeAgent:
         self.prefix = run_prefix(run_id)
         self._read_rounds = 0  # decided rounds this agent has acted on
         self._beaten = 0.0  # when this agent last beat (its node's lease: megatier.parallel.membership)
-        self.watchdog = Watchdog(hang_timeout_s)
 
     def _env(self, member: str, rank: Optional[int], local: int) -> dict:
         # The ranks this node will run: a node of spares runs as many as it has spares (threads per process follow).
@@ -150,7 +145,7 @@ class NodeAgent:
         for local in range(self.procs):
             member, rank = f"{self.node}/{local}", self.node_rank * self.procs + local
             first.publish_holder(rank, member)  # before the process exists: its death is a known rank's
-            self.children.append(self._spawn(member, command, self._env(member, rank, local), rank))
+            self.children.append(Child(member, self._spawn(command, self._env(member, rank, local)), rank=rank))
             self._beat()  # a start slowed by load must not let the node's lease run out before the first world
         for _ in range(self.spares):
             self._start_spare()
@@ -161,14 +156,11 @@ class NodeAgent:
         self._spares_started += 1
         MembershipRound(self.store, 0, self.prefix).announce_spare(member)  # a round may wait for it to come up
         command = [sys.executable, *self.script_args]
-        self.children.append(self._spawn(member, command, self._env(member, None, 0)))
+        self.children.append(Child(member, self._spawn(command, self._env(member, None, 0))))
 
-    def _spawn(self, member: str, command: list[str], env: dict, rank: Optional[int] = None) -> Child:
-        beats, beat_env, fds = self.watchdog.pipe()
-        process = subprocess.Popen(command, env={**env, **beat_env}, pass_fds=fds, preexec_fn=_die_with_parent)
-        for fd in fds:
-            os.close(fd)  # the process holds the write end now; the pipe closes with it
-        return Child(member, process, rank=rank, beats=beats)
+    @staticmethod
+    def _spawn(command: list[str], env: dict) -> subprocess.Popen:
+        return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
 
     def _beat(self) -> None:
         """Renew this node's lease: the rounds count a node whose agent stopped beating as lost."""
@@ -180,12 +172,8 @@ class NodeAgent:
         """Report the processes that failed since the last call, stop those a new round left out; True while
         any process runs."""
         self._beat()
-        self._kill_frozen()
         for child in self.children:
             code = child.process.poll()
-            if code is not None and child.beats is not None:
-                child.beats.close()
-                child.beats = None
             if code not in (None, 0, *STOPPED) and child.reported is None:
                 child.reported = MembershipRound.decided_epochs(self.store, self.prefix)
                 MembershipRound(self.store, 0, self.prefix).report_dead(child.member)
@@ -194,16 +182,6 @@ class NodeAgent:
         if self.respawn:
             self._replace_failed()
         return any(c.process.poll() is None for c in self.children)
-
-    def _kill_frozen(self) -> None:
-        """Kill each process whose beat has stopped for the watchdog's timeout; the next look reports it dead."""
-        now = self.watchdog.look()
-        for child in self.children:
-            silent = self.watchdog.silence(child.beats, now)
-            if silent is not None and child.process.poll() is None:
-                self._say(f"{child.describe()} has not beaten for {silent:.1f} s (frozen); killing it")
-                child.process.kill()
-                child.process.wait()
 
     def _replace_failed(self) -> None:
         """A new spare in place of each process that failed (died by a signal, crashed, or was left out of a
