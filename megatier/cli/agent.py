@@ -20,6 +20,7 @@ import time
 from typing import Optional
 
 from megatier.launcher.agent import NodeAgent, serve_store
+from megatier.launcher.watchdog import DEFAULT_HANG_TIMEOUT_S
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -36,8 +37,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--run-id", default="job", help="the launch's id, the same on every node")
     parser.add_argument("--respawn", action="store_true",
                         help="start a new spare in place of each process that fails (a long job keeps its spares)")
+    parser.add_argument("--hang-timeout-s", type=float, default=DEFAULT_HANG_TIMEOUT_S,
+                        help="kill a process of this node that has been stopped (SIGSTOP) this long, so the "
+                             "job recovers without waiting for the collective's timeout (0: never)")
     args = parser.parse_args(argv[:split])
     script = argv[split + 1:]
+    if args.hang_timeout_s < 0:
+        parser.error(f"--hang-timeout-s {args.hang_timeout_s:g} must be >= 0 (0 turns the hang watchdog off)")
     if args.serve_store is None and (args.store is None or not script):
         parser.error("give --store host:port and the script after -- (or --serve-store PORT)")
     return args, script
@@ -55,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
     agent = NodeAgent(script, node=args.node_name or f"node{args.node_rank}", node_rank=args.node_rank,
                       nodes=args.nodes, procs=args.nproc_per_node, spares=args.spares_per_node, store=args.store,
-                      run_id=args.run_id, respawn=args.respawn)
+                      run_id=args.run_id, respawn=args.respawn, hang_timeout_s=args.hang_timeout_s)
 
     def forward(signum, _frame):  # Ctrl-C or SIGTERM reaches every process of the node once
         agent.stop(signum)

@@ -17,9 +17,9 @@ drill exits). For each step S of ``--at-step`` the drill:
   node      the same kill, then wipes the victim node's Tier-1 area (its memory is
             gone) and relaunches with a replacement node of the same name;
   rack      kills every process at S, wipes every node's Tier-1 area, relaunches.
-  hang      (in-process only) SIGSTOPs one rank after S: the others' collectives time out
-            (parallel.timeout_s), the round goes on without it after recovery.round_timeout_s,
-            and its agent kills it.
+  hang      (in-process only) SIGSTOPs one rank after S: its agent's watchdog kills it after
+            10 s stopped (megatier.launcher.watchdog), so its peers' collectives fail
+            before their timeout (parallel.timeout_s), and a spare takes its rank.
   stage     kills the ranks of pipeline stage ``--stage`` at S and wipes every copy
             of their units (their Tier-1 areas, their replicas on other nodes, their
             Tier-3 objects; the commit records stay, as when objects go missing), then

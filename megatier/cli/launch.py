@@ -22,6 +22,7 @@ import time
 from typing import Optional
 
 from megatier.drill.cluster import LocalCluster
+from megatier.launcher.watchdog import DEFAULT_HANG_TIMEOUT_S
 from megatier.training.interrupt import REPEAT_S
 
 
@@ -43,6 +44,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--spare-nodes", type=int, default=0, help="in-process: extra nodes holding only spares")
     parser.add_argument("--respawn", action="store_true",
                         help="in-process: each agent starts a new spare in place of every process that fails")
+    parser.add_argument("--hang-timeout-s", type=float, default=None,
+                        help="in-process: an agent kills a process that has been stopped this long (default "
+                             f"{DEFAULT_HANG_TIMEOUT_S:g}; 0: never)")
     args, script = parser.parse_args(argv[:split]), argv[split + 1:]
     if not script:
         parser.error("no job to run: put the job after --, e.g. -- pretrain_gpt.py model=tiny")
@@ -55,7 +59,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         cluster = LocalCluster(args.nodes, args.procs_per_node, script_args, port=args.port,
                                max_restarts=args.max_restarts, recovery=args.recovery,
                                spares_per_node=args.spares_per_node, spare_nodes=args.spare_nodes,
-                               respawn=args.respawn)
+                               respawn=args.respawn, hang_timeout_s=args.hang_timeout_s)
     except ValueError as e:
         print(f"megatier-launch: {e}", file=sys.stderr)
         return 2

@@ -85,13 +85,15 @@ def agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, no
 
 
 def inprocess_agent_command(script_args: list[str], *, nodes: int, procs_per_node: int, spares: int, node_rank: int,
-                            store: str, run_id: str, respawn: bool = False) -> list[str]:
+                            store: str, run_id: str, respawn: bool = False,
+                            hang_timeout_s: Optional[float] = None) -> list[str]:
     """The ``megatier-agent`` command line of simulated node ``node_rank`` (a node of spares when it is past the
-    ``nodes`` that run ranks)."""
+    ``nodes`` that run ranks); ``hang_timeout_s`` None keeps the agent's default."""
     ranks = procs_per_node if node_rank < nodes else 0
     return [sys.executable, "-m", "megatier.cli.agent", "--nodes", str(nodes), "--node-rank", str(node_rank),
             "--nproc-per-node", str(ranks), "--spares-per-node", str(spares), "--store", store, "--run-id", run_id,
-            *(["--respawn"] if respawn else []), "--", *script_args]
+            *(["--respawn"] if respawn else []),
+            *(["--hang-timeout-s", f"{hang_timeout_s:g}"] if hang_timeout_s is not None else []), "--", *script_args]
 
 
 def _children(pid: int) -> list[int]:
@@ -135,7 +137,8 @@ class LocalCluster:
     def __init__(self, nodes: int, procs_per_node: int, script_args: list[str], *, port: Optional[int] = None,
                  max_restarts: int = 0, node_env: Optional[dict[int, dict[str, str]]] = None,
                  node_file_limit: Optional[dict[int, int]] = None, recovery: str = "relaunch",
-                 spares_per_node: int = 0, spare_nodes: int = 0, respawn: bool = False):
+                 spares_per_node: int = 0, spare_nodes: int = 0, respawn: bool = False,
+                 hang_timeout_s: Optional[float] = None):
         if nodes < 1 or procs_per_node < 1:
             raise ValueError(f"--nodes {nodes} and --procs-per-node {procs_per_node} must be >= 1")
         if not script_args:
@@ -151,9 +154,11 @@ class LocalCluster:
         self.agents: list[subprocess.Popen] = []
         self.inprocess = recovery == "inprocess"
         self.spares_per_node, self.spare_nodes = spares_per_node, spare_nodes
-        if not self.inprocess and (spares_per_node or spare_nodes or respawn):
-            raise ValueError("hot spares need recovery=inprocess (torchrun's agent restarts every process)")
+        if not self.inprocess and (spares_per_node or spare_nodes or respawn or hang_timeout_s is not None):
+            raise ValueError("hot spares, --respawn and --hang-timeout-s need --recovery inprocess (torchrun's agent "
+                             "restarts every process)")
         self.respawn = respawn  # agents start a new spare in place of each failed process
+        self.hang_timeout_s = hang_timeout_s  # agents kill a process silent this long (None: their default)
         self.store = None  # in-process recovery's membership store, served here
         self.stopping = False  # a Ctrl-C or SIGTERM was forwarded to every agent
 
@@ -164,7 +169,7 @@ class LocalCluster:
         spares = self.spares_per_node if i < self.nodes else self.procs_per_node
         return inprocess_agent_command(self.script_args, nodes=self.nodes, procs_per_node=self.procs_per_node,
                                        spares=spares, node_rank=i, store=f"127.0.0.1:{self.store.port}",
-                                       run_id=self.run_id, respawn=self.respawn)
+                                       run_id=self.run_id, respawn=self.respawn, hang_timeout_s=self.hang_timeout_s)
 
     def start(self) -> None:
         if self.inprocess:

@@ -8,12 +8,16 @@ This agent (``megatier-agent``, one per node) instead
   launch's run id (:mod:`megatier.training.inprocess`); their process groups rendezvous on that store;
 * reports each process that exits with a failure as dead to the membership round, so the survivors' round
   does not wait for it, and leaves every other process running;
+* kills a process that has been stopped (SIGSTOP, say) for ``hang_timeout_s`` (:mod:`megatier.launcher.watchdog`),
+  so its peers and the round go on at once instead of after the collective's timeout;
 * kills a process that a round left out of the re-formed job without its having exited (a hung rank: the
   round went on without it after ``recovery.round_timeout_s``), so it never comes back as a second holder;
 * with ``respawn``, starts a new hot spare (``<node>/spare<k>``, the next k) in place of each process that
   failed, so a long job keeps its spares through any number of failures, as a cluster's agent restarts a
   crashed worker; a process that ended with a status the job explains (a refusal, exit 7, a clean stop) or
   after the job ended is not replaced;
+* beats its node's lease (:class:`~megatier.parallel.membership.NodeLeases`) from a thread of its own, so
+  the rounds learn of a machine that died with its agent, and a busy agent never looks like a dead one;
 * optionally serves the membership store itself (``serve_store``): the store must outlive any one training
   process, so it runs in an agent (or a host of its own), never in a rank.
 
@@ -27,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +39,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megatier.launcher.watchdog import DEFAULT_HANG_TIMEOUT_S, StoppedWatch
 from megatier.parallel.membership import BEAT_S, PREFIX, MembershipRound, beat
 
 ENV_STORE = "MEGATIER_MEMBERSHIP_STORE"  # host:port of the membership store
@@ -109,7 +115,7 @@ class NodeAgent:
     """The agent of node ``node`` (see the module docstring)."""
 
     def __init__(self, script_args: list[str], *, node: str, node_rank: int, nodes: int, procs: int, spares: int,
-                 store: str, run_id: str, respawn: bool = False):
+                 store: str, run_id: str, respawn: bool = False, hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S):
         if procs < 0 or spares < 0 or procs + spares < 1:
             raise ValueError(f"--nproc-per-node {procs} and --spares-per-node {spares}: start at least one process")
         self.script_args, self.node, self.node_rank = script_args, node, node_rank
@@ -120,7 +126,8 @@ class NodeAgent:
         self.store: Optional[dist.TCPStore] = None
         self.prefix = run_prefix(run_id)
         self._read_rounds = 0  # decided rounds this agent has acted on
-        self._beaten = 0.0  # when this agent last beat (its node's lease: megatier.parallel.membership)
+        self._done = threading.Event()  # set when the agent ends: its lease stops beating
+        self.watchdog = StoppedWatch(hang_timeout_s)
 
     def _env(self, member: str, rank: Optional[int], local: int) -> dict:
         # The ranks this node will run: a node of spares runs as many as it has spares (threads per process follow).
@@ -139,17 +146,15 @@ class NodeAgent:
 
     def start(self) -> None:
         self.store = connect_store(self.address)
-        self._beat()
+        self._start_beating()
         command = [sys.executable, *self.script_args]
         first = MembershipRound(self.store, 0, self.prefix)
         for local in range(self.procs):
             member, rank = f"{self.node}/{local}", self.node_rank * self.procs + local
             first.publish_holder(rank, member)  # before the process exists: its death is a known rank's
             self.children.append(Child(member, self._spawn(command, self._env(member, rank, local)), rank=rank))
-            self._beat()  # a start slowed by load must not let the node's lease run out before the first world
         for _ in range(self.spares):
             self._start_spare()
-            self._beat()
 
     def _start_spare(self) -> None:
         member = f"{self.node}/spare{self._spares_started}"
@@ -162,16 +167,26 @@ class NodeAgent:
     def _spawn(command: list[str], env: dict) -> subprocess.Popen:
         return subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)
 
-    def _beat(self) -> None:
-        """Renew this node's lease: the rounds count a node whose agent stopped beating as lost."""
-        if time.monotonic() - self._beaten >= BEAT_S:
-            beat(self.store, self.prefix, self.node)
-            self._beaten = time.monotonic()
+    def _start_beating(self) -> None:
+        """Renew this node's lease every BEAT_S, from a thread of its own on a store connection of its own: the
+        rounds count a node whose agent stopped beating as lost, so the beat must not wait on what the agent
+        does (starting processes on a loaded machine, reading a round, waiting for one at the end)."""
+        store = connect_store(self.address)
+        beat(store, self.prefix, self.node)
+
+        def beat_forever() -> None:
+            try:
+                while not self._done.wait(BEAT_S):
+                    beat(store, self.prefix, self.node)
+            except (RuntimeError, OSError):  # the store is gone (the launch ended, or its host died): nobody to tell
+                pass
+
+        threading.Thread(target=beat_forever, name="megatier-agent-beat", daemon=True).start()
 
     def poll(self) -> bool:
         """Report the processes that failed since the last call, stop those a new round left out; True while
         any process runs."""
-        self._beat()
+        self._kill_frozen()
         for child in self.children:
             code = child.process.poll()
             if code not in (None, 0, *STOPPED) and child.reported is None:
@@ -182,6 +197,16 @@ class NodeAgent:
         if self.respawn:
             self._replace_failed()
         return any(c.process.poll() is None for c in self.children)
+
+    def _kill_frozen(self) -> None:
+        """Kill each process the kernel has held stopped for the watchdog's timeout; the next look reports it."""
+        now = time.monotonic()
+        for child in self.children:
+            stopped = self.watchdog.frozen(child.process.pid, now) if child.process.poll() is None else None
+            if stopped is not None:
+                self._say(f"{child.describe()} has been stopped for {stopped:.1f} s (frozen); killing it")
+                child.process.kill()
+                child.process.wait()
 
     def _replace_failed(self) -> None:
         """A new spare in place of each process that failed (died by a signal, crashed, or was left out of a
@@ -243,10 +268,17 @@ class NodeAgent:
 
     def run(self, poll_s: float = 0.05) -> int:
         self.start()
-        while self.poll():
-            time.sleep(poll_s)
-        self.poll()
-        return self.status()
+        try:
+            while self.poll():
+                time.sleep(poll_s)
+            self.poll()
+            return self.status()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop beating this node's lease: the agent is done."""
+        self._done.set()
 
     def stop(self, sig: int) -> None:
         for child in self.children:

@@ -198,7 +198,7 @@ class Campaign:
             at = 0 if f.crash_point == "replay.mid_batch" else event.step - 2
             for i in range(self.nodes):
                 armed[i].insert(0, f"{f.crash_point}:{at}")
-        if f.hang:  # one process stops itself; its peers must fail on their timeout (the carrier is a backstop)
+        if f.hang:  # one process stops itself: its peers fail on their timeout, or in process its agent kills it
             armed = {i: [f"train.step_end:{event.step + 40}"] for i in range(self.nodes)}
             armed[event.victim].insert(0, f"train.step_end:{event.step}:stop")
         if f.recurring:  # the step dies as it begins, on every node, whatever point the launch restored

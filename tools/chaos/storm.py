@@ -11,8 +11,8 @@ member of the job's current world:
 * ``process``: SIGKILL one rank's process, wherever it is (its step, its checkpoint threads, a recovery);
 * ``node``: SIGKILL a node's agent with its ranks and spares at once, its node memory wiped, and a new node
   of spares started in its place (a replacement machine);
-* ``hang``: SIGSTOP one rank's process (the round leaves it out once the collective times out; its agent
-  kills it).
+* ``hang``: SIGSTOP one rank's process (its agent's watchdog kills it once it has been stopped for
+  :data:`HANG_TIMEOUT_S`, and the job recovers it as a crash).
 
 A fault that cannot be recovered in place (every rank lost at once) is recovered by a relaunch, as a
 scheduler would, and the storm goes on once the relaunch trains. The job must end with exit 0 and the final
@@ -52,9 +52,10 @@ from tools.chaos.random_crashes import JOB, metrics  # noqa: E402
 NODES, PROCS = 2, 2
 CLASSES = {"process": 0.7, "node": 0.15, "hang": 0.15}  # the draw's weights
 MAX_RELAUNCHES = 5
-# The job's own settings for a storm: a hang is found by the collective's timeout, so keep it short; a round
-# waits for the spare its agent starts in place of a lost process (a storm outpaces the spares started with the
-# job) rather than shrink dp, which never grows back in place.
+HANG_TIMEOUT_S = 5.0  # the agents' watchdog: a stopped process is killed after this long
+# The job's own settings for a storm: a hang its watchdog cannot see is found by the collective's timeout, so
+# keep it short; a round waits for the spare its agent starts in place of a lost process (a storm outpaces the
+# spares started with the job) rather than shrink dp, which never grows back in place.
 STORM_JOB = [a for a in JOB if not a.startswith(("train.iters", "parallel.timeout_s", "checkpoint.base_interval"))] + [
     "parallel.timeout_s=15", "checkpoint.base_interval=50", "recovery.wait_for_replacement_s=60"]
 
@@ -229,7 +230,7 @@ def _kill(pid: int, sig: signal.Signals) -> None:
 
 def _cluster(work: Path, iters: int) -> LocalCluster:
     cluster = LocalCluster(NODES, PROCS, _job_args(work, iters), recovery="inprocess", spares_per_node=1,
-                           spare_nodes=1, respawn=True)
+                           spare_nodes=1, respawn=True, hang_timeout_s=HANG_TIMEOUT_S)
     cluster.start()
     return cluster
 

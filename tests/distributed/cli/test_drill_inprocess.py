@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed.cli.test_drill import DRILL, drill
+from tests.distributed.cli.test_drill import drill
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -47,17 +47,17 @@ def test_a_node_of_spares_replaces_a_lost_node_from_tier2(tmp_path, drill_refere
     assert report["final_digest"] == drill_reference
 
 
-def test_a_hung_rank_is_left_out_and_replaced(tmp_path, drill_reference):
-    overrides = [*[o for o in DRILL if not o.startswith("parallel.timeout_s=")], "parallel.timeout_s=8",
-                 "recovery.round_timeout_s=6"]
-    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "hang", "--at-step", "19", overrides=overrides)
+def test_a_hung_rank_is_killed_by_its_agent_and_replaced(tmp_path, drill_reference):
+    # Rank 3 is stopped (SIGSTOP) after step 19. Its agent's watchdog kills it after 10 s stopped, well
+    # before the collective's 30 s timeout; its peers' collectives then fail on the closed connections and the
+    # round, told of its death, does not wait for it.
+    report = drill(tmp_path, "--recovery", "inprocess", "--fail", "hang", "--at-step", "19")
     assert report["ok"] and report["returncode"] == 0, report["stdout"]
     (rec,) = report["recoveries"]
     assert rec["end"] == 19 and rec["ranks_in_place"] == [0, 1, 2] and rec["rank_tiers"][3] == ["tier1"], rec
     (timeline,) = report["recovery_timelines"]
     _timeline_adds_up(timeline)
-    # Found by the collective timeout; the round then waits its own timeout for the member that never joins.
-    assert timeline["recovery_detection_s"] > 4 and timeline["recovery_reform_s"] > 2, timeline
+    assert 9 < timeline["recovery_detection_s"] < 25 and timeline["recovery_reform_s"] < 20, timeline
     assert report["final_digest"] == drill_reference
 
 

@@ -53,8 +53,9 @@ def test_a_second_failure_during_the_recovery_starts_another_round(tmp_path, dri
     run = launch(tmp_path, f"train.step_end:12:1,{second}")
     assert_recovered_exactly(run, drill_reference)
     assert "in-process recovery could not re-form" not in run["output"]
-    # The agent says which process died, and how.
-    assert re.search(r"megatier-agent node0: node0/1 \(rank 1, pid \d+\) was killed by SIGKILL", run["output"])
+    # The agent says which process died, and how (whoever holds rank 1 then: under load the first world may form
+    # again before step 12, with a spare in rank 1).
+    assert re.search(r"megatier-agent node\d: \S+ \(rank 1, pid \d+\) was killed by SIGKILL", run["output"])
     assert run["recoveries"] and all(r["end"] >= 11 for r in run["recoveries"]), run["recoveries"]
 
 

@@ -3,6 +3,9 @@ and counts as replaced once a later round formed a world, a process a round left
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import time
 
 import pytest
@@ -37,6 +40,7 @@ def _finish(agent: NodeAgent) -> None:
     while agent.poll():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+    agent.close()
 
 
 def _decide(store, epoch: int, holders: tuple[str, ...]) -> None:
@@ -87,3 +91,38 @@ def test_a_status_the_job_explains_is_its_answer_not_a_death_to_wait_out(tmp_pat
     started = time.monotonic()
     assert agent.status(wait_s=30.0) == 2
     assert time.monotonic() - started < 5.0
+
+
+def test_the_node_lease_is_renewed_while_the_agent_is_busy_starting_processes(tmp_path, monkeypatch):
+    # A start slowed by load (here: each process takes 1.5 s to spawn) must not let the node's lease run out:
+    # the rounds would count the whole node lost before its first world formed.
+    store = serve_store(0)
+    agent = _agent(tmp_path, store)
+    spawn = NodeAgent._spawn
+    counts = []
+
+    def slow_spawn(command, env):
+        counts.append(store.add(f"{run_prefix('t')}/beat/node0", 0))
+        time.sleep(1.5)
+        return spawn(command, env)
+
+    monkeypatch.setattr(agent, "_spawn", slow_spawn)
+    agent.start()
+    assert counts[0] >= 1 and counts[-1] - counts[0] >= 4  # beaten every 0.5 s through 3 s of spawning
+    _finish(agent)
+
+
+def test_a_stopped_process_is_killed_by_the_watchdog_and_reported(tmp_path, capsys):
+    store = serve_store(0)
+    agent = NodeAgent(["-c", SCRIPT, str(tmp_path), "node0/0", "0"], node="node0", node_rank=0, nodes=1, procs=2,
+                      spares=0, store=f"127.0.0.1:{store.port}", run_id="t", hang_timeout_s=0.5)
+    agent.start()
+    hung = agent.children[0]
+    while not (tmp_path / "node0_0.json").exists():  # it is in its sleep now
+        time.sleep(0.05)
+    os.kill(hung.process.pid, signal.SIGSTOP)
+    _finish(agent)
+    assert hung.process.returncode == -signal.SIGKILL and agent.children[1].process.returncode == 0
+    assert MembershipRound(store, 1, run_prefix("t")).reported_dead() == {"node0/0"}
+    err = capsys.readouterr().err
+    assert re.search(r"node0/0 \(rank 0, pid \d+\) has been stopped for 0\.\d s \(frozen\); killing it", err), err

@@ -1,6 +1,8 @@
 """The simulated cluster's rendezvous port and its agents' command lines."""
 import socket
 
+import pytest
+
 from megatier.drill import cluster
 
 
@@ -31,3 +33,14 @@ def test_agent_command_hosts_the_rendezvous_on_node_0_only():
                                    max_restarts=0)
     assert "127.0.0.1:23456" in host and "is_host=true" in host and "is_host=false" in client
     assert host[-1] == "train.py"
+
+
+def test_the_hang_timeout_reaches_the_in_process_agents_and_needs_them():
+    command = cluster.inprocess_agent_command(["train.py"], nodes=2, procs_per_node=1, spares=1, node_rank=0,
+                                              store="127.0.0.1:1", run_id="r", hang_timeout_s=4.5)
+    assert command[command.index("--hang-timeout-s") + 1] == "4.5" and command[-1] == "train.py"
+    default = cluster.inprocess_agent_command(["train.py"], nodes=2, procs_per_node=1, spares=1, node_rank=0,
+                                              store="127.0.0.1:1", run_id="r")
+    assert "--hang-timeout-s" not in default  # the agent's own default
+    with pytest.raises(ValueError, match="--hang-timeout-s need --recovery inprocess"):
+        cluster.LocalCluster(2, 1, ["train.py"], hang_timeout_s=5.0)
