@@ -60,8 +60,9 @@ CheckpointerFactory = Callable[[TrainState], Checkpointer]
 
 def build_checkpointer(cfg: CheckpointConfig, state: TrainState, *, timeout_s: float,
                        fault: Optional[FaultInjector] = None, remote_store: Optional[ObjectStore] = None,
-                       reliability: Optional[ReliabilityConfig] = None) -> CheckpointManager:
+                       reliability: Optional[ReliabilityConfig] = None, reformed: bool = False) -> CheckpointManager:
     """The tiered checkpointer of ``cfg`` for this rank (collective: every rank calls it); see build_context."""
     ctx = build_context(cfg, state.ps, timeout_s=timeout_s, fault=fault, remote_store=remote_store,
-                        fingerprint=state.fingerprint, followed=state.followed, reliability=reliability)
+                        fingerprint=state.fingerprint, followed=state.followed, reliability=reliability,
+                        reformed=reformed)
     return CheckpointManager(ctx, ShardAccess(state.optimizer, state.global_batch_size), model=state.model)

@@ -127,12 +127,13 @@ def _start_remote(store: Optional[ObjectStore], cfg: CheckpointConfig, comm: Che
 def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optional[FaultInjector] = None,
                   remote_store: Optional[ObjectStore] = None, fingerprint: Optional[dict] = None,
                   followed: tuple[str, ...] = (),
-                  reliability: Optional[ReliabilityConfig] = None) -> CheckpointContext:
+                  reliability: Optional[ReliabilityConfig] = None, reformed: bool = False) -> CheckpointContext:
     """Open the tiers of ``cfg`` (already validated and made effective for this topology) on every rank.
 
     ``ps`` is the job's ParallelState. Unreachable or unwritable tiers fail here,
     before any training work, on every rank. ``remote_store`` replaces the store
-    that ``checkpoint.remote.url`` names (tests: a store that fails on purpose).
+    that ``checkpoint.remote.url`` names (tests: a store that fails on purpose). ``reformed``: the world an
+    in-process recovery re-formed, where a node area no rank is on now is this launch's, not worth a warning.
     """
     if "peer" in cfg.tiers and ps.num_nodes < 2:
         raise ValueError("checkpoint.tiers has peer on a one-node job; build the context from the effective "
@@ -149,7 +150,7 @@ def build_context(cfg: CheckpointConfig, ps, *, timeout_s: float, fault: Optiona
     if "local" in cfg.tiers:
         lists = ps.local_rank == 0  # reclaims what ranks of an older layout or ring left on this node
         elsewhere = adopt_orphans(comm, cfg.local.root, cfg.job_id, ps.node_name, ps.node_names or (ps.node_name,),
-                                  server=lists)
+                                  server=lists, announce=not reformed)
         memory = NodeMemory(cfg.local.root, cfg.job_id, ps.node_name, fault_hook=fault)
         tiers.append(LocalTier(memory, ps.rank, keep_bases=cfg.local.keep_bases,
                                budget_bytes=int(cfg.local.budget_gib * (1 << 30)), fault=fault,

@@ -198,7 +198,7 @@ class Trainer(InPlaceRecovery):
         if not self.cfg.checkpoint.enabled or self.cfg.train.eval_only:  # eval-only reads, writes nothing
             return None
         return build_checkpointer(self.cfg.checkpoint, state, timeout_s=self.cfg.parallel.timeout_s, fault=self.fault,
-                                  reliability=self.cfg.reliability)
+                                  reliability=self.cfg.reliability, reformed=bool(self.membership_epoch))
 
     def _build_logger(self):
         if self.ps.rank != 0:

@@ -63,9 +63,11 @@ def adoptions(views: Sequence[AreaView]) -> tuple[dict[str, str], list[str]]:
 
 
 def adopt_orphans(comm: CheckpointComm, root: str, job_id: str, node: str, nodes: Sequence[str], *,
-                  server: bool) -> list[str]:
+                  server: bool, announce: bool = True) -> list[str]:
     """Collective: adopt what :func:`adoptions` allows (the node's ``server`` rank renames), return the orphans
-    left in place. Every rank calls it before opening node memory."""
+    left in place, which rank 0 reports when ``announce`` (not in a world an in-process recovery re-formed:
+    there they are the areas of this launch's nodes that no longer hold a rank). Every rank calls it before
+    opening node memory."""
     view: Optional[AreaView] = None
     fatal = None
     if server:
@@ -91,7 +93,7 @@ def adopt_orphans(comm: CheckpointComm, root: str, job_id: str, node: str, nodes
     failed = [s for s in statuses if s]
     if failed:
         raise RuntimeError("; ".join(failed))
-    if left and comm.rank == 0:
+    if left and announce and comm.rank == 0:
         log.warning("node memory of job %r under %s is filed under node name(s) %s, which no node of this launch "
                     "has; it is left in place. If it is this machine's, relaunch with MEGATIER_NODE_NAME set to "
                     "that name", job_id, job_dir(root, job_id), ", ".join(left))
