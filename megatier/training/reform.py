@@ -115,7 +115,7 @@ class InPlaceRecovery:
         if self.batches is not None:  # the read ahead guessed at a step the restore may not go on from
             self.batches.close()
         self.checkpointer = self.ps = None  # the last references: the old groups close, blocked peers fail now
-        gc.collect()
+        gc.collect()  # and groups caught in reference cycles (the imports' objects are frozen: megatier.train)
 
     @property
     def membership_epoch(self) -> int:
@@ -151,7 +151,7 @@ class InPlaceRecovery:
         self.logger, self.goodput = NullLogger(), NullLedger()
         self.grads.remove_hooks()
         self.model = self.optimizer = self.grads = self.batches = self.comm = None
-        gc.collect()
+        gc.collect()  # and groups caught in reference cycles (the imports' objects are frozen: megatier.train)
         rank = self.membership.await_rank()
         if rank is None:
             raise JobEnded(f"member {self.membership.me.id} was not needed again before the job ended")
