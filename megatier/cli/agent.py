@@ -42,8 +42,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                              "job recovers without waiting for the collective's timeout (0: never)")
     args = parser.parse_args(argv[:split])
     script = argv[split + 1:]
-    if args.hang_timeout_s < 0:
-        parser.error(f"--hang-timeout-s {args.hang_timeout_s:g} must be >= 0 (0 turns the hang watchdog off)")
     if args.serve_store is None and (args.store is None or not script):
         parser.error("give --store host:port and the script after -- (or --serve-store PORT)")
     return args, script
@@ -59,9 +57,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                 time.sleep(3600)
         except KeyboardInterrupt:
             return 0
-    agent = NodeAgent(script, node=args.node_name or f"node{args.node_rank}", node_rank=args.node_rank,
-                      nodes=args.nodes, procs=args.nproc_per_node, spares=args.spares_per_node, store=args.store,
-                      run_id=args.run_id, respawn=args.respawn, hang_timeout_s=args.hang_timeout_s)
+    try:
+        agent = NodeAgent(script, node=args.node_name or f"node{args.node_rank}", node_rank=args.node_rank,
+                          nodes=args.nodes, procs=args.nproc_per_node, spares=args.spares_per_node,
+                          store=args.store, run_id=args.run_id, respawn=args.respawn,
+                          hang_timeout_s=args.hang_timeout_s)
+    except ValueError as e:  # counts or a timeout out of range: one line, as parse_args says it
+        print(f"megatier-agent: {e}", file=sys.stderr)
+        return 2
 
     def forward(signum, _frame):  # Ctrl-C or SIGTERM reaches every process of the node once
         agent.stop(signum)

@@ -35,6 +35,7 @@ import time
 from typing import Optional
 
 from megatier.launcher.agent import exit_status, serve_store
+from megatier.launcher.watchdog import StoppedWatch
 
 
 def _ephemeral_floor(default: int = 32768) -> int:
@@ -158,7 +159,9 @@ class LocalCluster:
             raise ValueError("hot spares, --respawn and --hang-timeout-s need --recovery inprocess (torchrun's agent "
                              "restarts every process)")
         self.respawn = respawn  # agents start a new spare in place of each failed process
-        self.hang_timeout_s = hang_timeout_s  # agents kill a process silent this long (None: their default)
+        if hang_timeout_s is not None:
+            StoppedWatch(hang_timeout_s)  # refused here, in one line, rather than by every agent it starts
+        self.hang_timeout_s = hang_timeout_s  # agents kill a process stopped this long (None: their default)
         self.store = None  # in-process recovery's membership store, served here
         self.stopping = False  # a Ctrl-C or SIGTERM was forwarded to every agent
 

@@ -44,3 +44,12 @@ def test_the_hang_timeout_reaches_the_in_process_agents_and_needs_them():
     assert "--hang-timeout-s" not in default  # the agent's own default
     with pytest.raises(ValueError, match="--hang-timeout-s need --recovery inprocess"):
         cluster.LocalCluster(2, 1, ["train.py"], hang_timeout_s=5.0)
+
+
+def test_a_negative_hang_timeout_is_refused_once_by_the_launch_and_by_the_agent(capsys):
+    with pytest.raises(ValueError, match="--hang-timeout-s -1 must be >= 0"):
+        cluster.LocalCluster(2, 1, ["train.py"], recovery="inprocess", hang_timeout_s=-1.0)
+    from megatier.cli import agent
+    assert agent.main(["--store", "127.0.0.1:1", "--hang-timeout-s", "-1", "--", "train.py"]) == 2
+    assert capsys.readouterr().err.strip() == ("megatier-agent: --hang-timeout-s -1 must be >= 0 (0 turns the hang "
+                                                "watchdog off)")
